@@ -1,0 +1,208 @@
+"""The Lua twin of the window engine (``schemas/windows.py``), run inside Redis.
+
+``WINDOW_LUA_LIB`` is a chunk of ``local function`` definitions only: it reads no
+``KEYS``/``ARGV`` and defines no globals, so it can be prepended to any script. It
+mirrors ``schemas.windows`` and ``schemas.window_codec`` exactly (the cross-check test
+runs both on thousands of random cases) and provides:
+
+* ``window_decode(raw, bucket_ms) -> starts, amounts, n``: decode a value written by
+  ``schemas.window_codec.encode`` (``raw`` false/nil for a missing key means empty) into
+  parallel arrays sorted by bucket start; raises on a wrong version or ``bucket_ms``.
+* ``window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total``.
+* ``window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
+  extra, amount) -> fits_at_ms | nil, never_fits``: as ``schemas.windows.retry_after``.
+
+Lua numbers are doubles: every value passed in (times, limit, extra, amount) and their
+sums must stay within 2**53; the codec guarantees it for the stored amounts. Divisions
+and remainders go through ``math.fmod`` (exact in C) and the prorated share through an
+exact split multiplication, so no result is ever rounded.
+"""
+
+from __future__ import annotations
+
+__all__ = ["WINDOW_CHECK_SCRIPT", "WINDOW_LUA_LIB"]
+
+WINDOW_LUA_LIB = r"""
+-- spendgate window engine, twin of schemas/windows.py and schemas/window_codec.py.
+
+-- x mod m for integers, result in [0, m), exact for |x| < 2^53.
+local function window_mod(x, m)
+  local r = math.fmod(x, m)
+  if r < 0 then r = r + m end
+  return r
+end
+
+-- Exact ceil(x * k / b) for integers |x| < 2^53, 0 <= k < b < 2^32, b even.
+-- x = q*b + rm; rm*k is split as rm*(kh*2^20 + kl) so no product exceeds 2^53.
+local function window_ceil_muldiv(x, k, b)
+  local rm = window_mod(x, b)
+  local q = (x - rm) / b
+  local kl = math.fmod(k, 1048576)
+  local kh = (k - kl) / 1048576
+  local a = rm * kh
+  local a0 = math.fmod(a, b)
+  local a1 = (a - a0) / b
+  local rest = a0 * 1048576 + rm * kl
+  local r0 = math.fmod(rest, b)
+  local c = a1 * 1048576 + (rest - r0) / b
+  if r0 > 0 then c = c + 1 end
+  return q * k + c
+end
+
+local function window_check_boundary(boundary)
+  if boundary ~= 'include' and boundary ~= 'exclude' and boundary ~= 'prorate' then
+    error('spendgate window: unknown boundary ' .. tostring(boundary))
+  end
+end
+
+-- Decode the compact layout (see schemas/window_codec.py) into sorted arrays.
+local function window_decode(raw, bucket_ms)
+  local starts, amounts, n = {}, {}, 0
+  if not raw then return starts, amounts, 0 end
+  local version, kind, stored_ms, base, count, pos = struct.unpack('<BBI4i8I4', raw)
+  if version ~= 1 then
+    error('spendgate window state: unknown format version ' .. tostring(version))
+  end
+  if stored_ms ~= bucket_ms then
+    error('spendgate window state: stored bucket_ms ' .. tostring(stored_ms)
+      .. ' differs from ' .. tostring(bucket_ms))
+  end
+  if kind == 1 then
+    local amount
+    for i = 0, count - 1 do
+      amount, pos = struct.unpack('<i8', raw, pos)
+      if amount ~= 0 then
+        n = n + 1
+        starts[n] = base + i * stored_ms
+        amounts[n] = amount
+      end
+    end
+  elseif kind == 0 then
+    local offset, amount
+    for i = 1, count do
+      offset, amount, pos = struct.unpack('<I4i8', raw, pos)
+      starts[i] = base + offset * stored_ms
+      amounts[i] = amount
+    end
+    n = count
+  else
+    error('spendgate window state: unknown kind ' .. tostring(kind))
+  end
+  return starts, amounts, n
+end
+
+-- The boundary bucket's share when it overlaps the window on overlap_ms milliseconds.
+local function window_boundary_part(boundary, edge, overlap_ms, bucket_ms)
+  if overlap_ms <= 0 or edge == 0 or boundary == 'exclude' then return 0 end
+  if boundary == 'include' then return edge end
+  return window_ceil_muldiv(edge, overlap_ms, bucket_ms)
+end
+
+local function window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)
+  window_check_boundary(boundary)
+  local r = window_mod(t_ms, bucket_ms)
+  local head = t_ms - r
+  local oldest_full = head - window_ms + bucket_ms
+  local edge_start = oldest_full - bucket_ms
+  local full, edge = 0, 0
+  for i = 1, n do
+    local s = starts[i]
+    if s >= oldest_full and s <= head then
+      full = full + amounts[i]
+    elseif s == edge_start then
+      edge = amounts[i]
+    end
+  end
+  return full + window_boundary_part(boundary, edge, bucket_ms - 1 - r, bucket_ms)
+end
+
+-- Smallest r in [r_lo, bucket_ms) at which the boundary share is <= slack, or nil.
+local function window_earliest_offset(boundary, edge, slack, r_lo, bucket_ms)
+  local last = bucket_ms - 1
+  if edge == 0 or boundary == 'exclude' then
+    if slack >= 0 then return r_lo end
+    return nil
+  end
+  if boundary == 'include' then
+    if r_lo < last and edge <= slack then return r_lo end
+    if slack >= 0 then return last end
+    return nil
+  end
+  local k_hi = last - r_lo
+  if window_ceil_muldiv(edge, k_hi, bucket_ms) <= slack then return r_lo end
+  if edge < 0 or slack < 0 then return nil end
+  -- The share grows with the overlap k: find the largest k whose share fits.
+  local lo, hi = 0, k_hi
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if window_ceil_muldiv(edge, mid, bucket_ms) <= slack then lo = mid else hi = mid end
+  end
+  return last - lo
+end
+
+local function window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary,
+                                  limit, extra, amount)
+  window_check_boundary(boundary)
+  if amount > limit then return nil, true end
+  local head = t_ms - window_mod(t_ms, bucket_ms)
+  local periods, np = {head}, 1
+  local by_start = {}
+  for i = 1, n do
+    local s = starts[i]
+    by_start[s] = amounts[i]
+    -- The full-bucket sum changes only when a bucket becomes the head, the boundary,
+    -- or leaves: those periods (and the current one) are all that need solving.
+    local entered, bounded, left = s, s + window_ms, s + window_ms + bucket_ms
+    if entered > head then np = np + 1; periods[np] = entered end
+    if bounded > head then np = np + 1; periods[np] = bounded end
+    if left > head then np = np + 1; periods[np] = left end
+  end
+  table.sort(periods)
+  local room = limit - extra - amount
+  local lo, hi, full, previous = 1, 1, 0, nil
+  for j = 1, np do
+    local period = periods[j]
+    if period ~= previous then
+      previous = period
+      while hi <= n and starts[hi] <= period do
+        full = full + amounts[hi]
+        hi = hi + 1
+      end
+      local oldest_full = period - window_ms + bucket_ms
+      while lo < hi and starts[lo] < oldest_full do
+        full = full - amounts[lo]
+        lo = lo + 1
+      end
+      local r_lo = 0
+      if period == head then r_lo = t_ms - head end
+      local edge = by_start[period - window_ms] or 0
+      local r = window_earliest_offset(boundary, edge, room - full, r_lo, bucket_ms)
+      if r then return period + r, false end
+    end
+  end
+  return nil, false
+end
+"""
+
+WINDOW_CHECK_SCRIPT = (
+    WINDOW_LUA_LIB
+    + r"""
+-- Test harness: the window engine on one stored state.
+-- KEYS[1]: a string key holding an encoded window state (missing = empty)
+-- ARGV[1]: t_ms        ARGV[2]: window_ms   ARGV[3]: bucket_ms
+-- ARGV[4]: boundary (include | exclude | prorate)
+-- ARGV[5]: limit       ARGV[6]: extra       ARGV[7]: amount
+-- returns: {total at t_ms, fits_at_ms or -1, never_fits (0 | 1)}
+local t_ms = tonumber(ARGV[1])
+local window_ms = tonumber(ARGV[2])
+local bucket_ms = tonumber(ARGV[3])
+local boundary = ARGV[4]
+local starts, amounts, n = window_decode(redis.call('GET', KEYS[1]), bucket_ms)
+local total = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)
+local fits_at, never_fits = window_retry_after(starts, amounts, n, t_ms, window_ms,
+  bucket_ms, boundary, tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]))
+local never = 0
+if never_fits then never = 1 end
+return {total, fits_at or -1, never}
+"""
+)

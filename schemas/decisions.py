@@ -1,0 +1,50 @@
+"""The admission API's request and answer bodies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.events import Subject, Usage
+from schemas.types import Identifier, Unit
+
+
+class AdmitRequest(BaseModel):
+    """``POST /v1/admit``: may this request run, holding ``estimate`` until it finishes?"""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: Identifier
+    subject: Subject
+    estimate: Usage
+
+
+class BudgetStatus(BaseModel):
+    """One budget key's state as seen by a decision."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: str
+    key: str
+    unit: Unit
+    limit: int
+    used: int
+    reserved: int
+    remaining: int
+    window_seconds: int
+    reset_after_seconds: int
+
+
+class Decision(BaseModel):
+    """The answer to an admit: ``allow`` (200) or ``reject`` (429)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decision: Literal["allow", "cap", "downgrade", "observe_reject", "reject"]
+    reservation_id: str | None = None
+    model: str | None = None
+    violated: list[str] = Field(default_factory=list)
+    retry_after_seconds: int | None = None
+    never_fits: bool = False
+    budgets: list[BudgetStatus] = Field(default_factory=list)

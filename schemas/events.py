@@ -1,0 +1,125 @@
+"""Usage events on ``budget.usage``: a discriminated union on ``kind``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+from schemas.types import Amount, Identifier, SignedAmount, SubjectValue
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Subject(_Frozen):
+    """Who or what a request is for; policies match and group on these fields."""
+
+    tenant: SubjectValue | None = None
+    team: SubjectValue | None = None
+    project: SubjectValue | None = None
+    api_key: SubjectValue | None = None
+    user: SubjectValue | None = None
+    model: SubjectValue | None = None
+    env: SubjectValue | None = None
+    labels: dict[SubjectValue, SubjectValue] = Field(default_factory=dict, max_length=32)
+
+    def value(self, field: str) -> str | None:
+        """Return a subject field, or ``labels.NAME`` for a free label."""
+        if field.startswith("labels."):
+            return self.labels.get(field.removeprefix("labels."))
+        found = getattr(self, field, None)
+        return found if isinstance(found, str) else None
+
+
+class Usage(_Frozen):
+    """What a request used (or is estimated to use). Every field is a non-negative integer."""
+
+    requests: Amount = 0
+    input_tokens: Amount = 0
+    cached_input_tokens: Amount = 0
+    output_tokens: Amount = 0
+    gpu_ms: Amount = 0
+    cost_usd_micros: Amount | None = None
+
+
+class SignedUsage(_Frozen):
+    """A correction: like :class:`Usage` but each field may be negative."""
+
+    requests: SignedAmount = 0
+    input_tokens: SignedAmount = 0
+    cached_input_tokens: SignedAmount = 0
+    output_tokens: SignedAmount = 0
+    gpu_ms: SignedAmount = 0
+    cost_usd_micros: SignedAmount | None = None
+
+
+class _Event(_Frozen):
+    schema_version: Literal[1] = 1
+    event_id: Identifier
+    subject: Subject
+    occurred_at: AwareDatetime
+
+    @field_validator("occurred_at")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        return value.astimezone(UTC)
+
+    @property
+    def occurred_ms(self) -> int:
+        """``occurred_at`` in integer milliseconds since the epoch."""
+        return int(self.occurred_at.timestamp() * 1000)
+
+
+class ReserveEvent(_Event):
+    """Admission held capacity for a request (published by the admission service)."""
+
+    kind: Literal["reserve"] = "reserve"
+    reservation_id: Identifier
+    usage: Usage
+    expires_at: AwareDatetime
+
+
+class CommitEvent(_Event):
+    """The final charge, replacing its reservation when it names one."""
+
+    kind: Literal["commit"] = "commit"
+    usage: Usage
+    reservation_id: Identifier | None = None
+
+
+class ReleaseEvent(_Event):
+    """A reservation ended without a charge."""
+
+    kind: Literal["release"] = "release"
+    reservation_id: Identifier
+
+
+class AdjustEvent(_Event):
+    """A signed correction charged in the bucket of its ``occurred_at``."""
+
+    kind: Literal["adjust"] = "adjust"
+    usage: SignedUsage
+    ref_event_id: Identifier | None = None
+
+
+UsageEvent = Annotated[
+    ReserveEvent | CommitEvent | ReleaseEvent | AdjustEvent, Field(discriminator="kind")
+]
+usage_event_adapter: TypeAdapter[UsageEvent] = TypeAdapter(UsageEvent)
+
+
+def parse_event(raw: bytes | str) -> UsageEvent:
+    """Validate one JSON record from ``budget.usage``.
+
+    Raises:
+        pydantic.ValidationError: the record is not a valid event; the error names the field.
+    """
+    return usage_event_adapter.validate_json(raw)
+
+
+def partition_key(subject: Subject) -> bytes:
+    """Record key on ``budget.usage``: the tenant, ``_`` when absent."""
+    return (subject.tenant or "_").encode()

@@ -1,0 +1,63 @@
+"""Shared constrained types for the spendgate models."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+#: Largest amount any counter holds: Redis Lua numbers are doubles, exact to 2**53.
+MAX_AMOUNT = 2**53 - 1
+
+Amount = Annotated[int, Field(ge=0, le=MAX_AMOUNT)]
+SignedAmount = Annotated[int, Field(ge=-MAX_AMOUNT, le=MAX_AMOUNT)]
+PolicyId = Annotated[str, Field(pattern=r"^[a-z0-9._-]{1,64}$")]
+Identifier = Annotated[str, Field(min_length=1, max_length=200)]
+SubjectValue = Annotated[str, Field(min_length=1, max_length=200)]
+
+Unit = Literal["requests", "input_tokens", "output_tokens", "total_tokens", "cost_usd", "gpu_seconds"]
+Boundary = Literal["include", "exclude", "prorate"]
+Mode = Literal["enforce", "observe"]
+OnExceed = Literal["reject", "cap", "downgrade"]
+FailureMode = Literal["closed", "open", "degraded"]
+SubjectField = Literal["tenant", "team", "project", "api_key", "user", "model", "env"]
+
+SUBJECT_FIELDS: tuple[str, ...] = ("tenant", "team", "project", "api_key", "user", "model", "env")
+
+_DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)$")
+_UNIT_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_duration_ms(text: str) -> int:
+    """Parse a duration such as ``30s``, ``1m``, ``24h`` or ``31d``.
+
+    Args:
+        text: a positive integer followed by ``ms``, ``s``, ``m``, ``h`` or ``d``.
+
+    Returns:
+        The duration in milliseconds.
+
+    Raises:
+        ValueError: the text is not such a duration.
+    """
+    found = _DURATION.match(text.strip())
+    if found is None or int(found.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a duration like 30s, 15m, 24h or 7d")
+    return int(found.group(1)) * _UNIT_MS[found.group(2)]
+
+
+def format_duration_ms(duration_ms: int) -> str:
+    """Render milliseconds in the largest whole unit (``86400000`` -> ``1d``)."""
+    for suffix in ("d", "h", "m", "s"):
+        if duration_ms % _UNIT_MS[suffix] == 0:
+            return f"{duration_ms // _UNIT_MS[suffix]}{suffix}"
+    return f"{duration_ms}ms"
+
+
+def _duration(text: str) -> str:
+    return format_duration_ms(parse_duration_ms(text))
+
+
+#: A duration string, normalized to its largest whole unit.
+Duration = Annotated[str, AfterValidator(_duration)]

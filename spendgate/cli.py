@@ -1,0 +1,152 @@
+"""The ``spendgate`` command line: thin wiring from commands to the packages."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from schemas.exceptions import SpendgateError
+
+app = typer.Typer(
+    help="Rolling-window spend budgets for LLM inference.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+dev = typer.Typer(help="Run a local Kafka broker and Redis server (no Docker).",
+                  no_args_is_help=True)
+policy = typer.Typer(help="Apply, list and delete budget policies.", no_args_is_help=True)
+app.add_typer(dev, name="dev")
+app.add_typer(policy, name="policy")
+console = Console(stderr=True)
+
+
+def _configure_logging(json_logs: bool, level: str = "INFO") -> None:
+    from spendgate.logs import configure
+
+    configure(json_logs=json_logs, level=level)
+
+
+JsonLogs = Annotated[bool, typer.Option("--json-logs", help="Log one JSON object per line.")]
+
+
+@dev.command("up")
+def dev_up() -> None:
+    """Fetch Kafka (once), start Kafka and Redis on loopback, wait until both answer."""
+    from spendgate.devstack import KAFKA_VERSION, LocalStack, StackSettings
+
+    stack = LocalStack(StackSettings())
+    with console.status(f"starting Kafka {KAFKA_VERSION} and Redis ..."):
+        statuses = stack.up()
+    for status in statuses:
+        console.print(
+            f"[green]up[/] {status.name:<5} 127.0.0.1:{status.port} pid {status.pid} "
+            f"log {status.log}"
+        )
+
+
+@dev.command("down")
+def dev_down() -> None:
+    """Stop the Kafka broker and Redis server that `dev up` started (and nothing else)."""
+    from spendgate.devstack import LocalStack, StackSettings
+
+    stopped = LocalStack(StackSettings()).down()
+    console.print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+
+
+@dev.command("status")
+def dev_status() -> None:
+    """Show whether the local Kafka and Redis are running, their pids, ports and logs."""
+    from spendgate.devstack import KAFKA_VERSION, LocalStack, StackSettings
+
+    table = Table("service", "state", "pid", "port", "log")
+    for s in LocalStack(StackSettings()).status():
+        name = f"kafka {KAFKA_VERSION}" if s.name == "kafka" else s.name
+        state = "[green]running[/]" if s.running else "[red]stopped[/]"
+        table.add_row(name, state, str(s.pid or "-"), str(s.port), str(s.log))
+    Console().print(table)
+
+
+@app.command("worker")
+def worker(json_logs: JsonLogs = False) -> None:
+    """Run the stream processor: consume usage events, keep windows, materialize to Redis."""
+    from streams.settings import WorkerSettings
+    from streams.worker import run_worker
+
+    _configure_logging(json_logs)
+    run_worker(WorkerSettings())
+
+
+@app.command("admission")
+def admission(json_logs: JsonLogs = False) -> None:
+    """Run the admission HTTP service (POST /v1/admit ...)."""
+    from admission.server import serve
+    from admission.settings import AdmissionSettings
+
+    _configure_logging(json_logs)
+    serve(AdmissionSettings())
+
+
+@policy.command("apply")
+def policy_apply(
+    file: Annotated[Path, typer.Argument(help="A YAML or JSON file: one policy or a list.",
+                                         exists=True, dir_okay=False)],
+) -> None:
+    """Validate policies from FILE and publish them; a bad file changes nothing."""
+    from streams.policy_admin import apply_file
+    from streams.settings import WorkerSettings
+
+    for applied in apply_file(WorkerSettings(), file):
+        console.print(f"[green]applied[/] {applied}")
+
+
+@policy.command("list")
+def policy_list() -> None:
+    """List the policies in force."""
+    from streams.policy_admin import list_policies
+    from streams.settings import WorkerSettings
+
+    table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
+    for p in list_policies(WorkerSettings()):
+        table.add_row(p.id, p.unit, str(p.limit), p.window, p.bucket, str(p.match),
+                      ",".join(p.group_by), p.mode)
+    Console().print(table)
+
+
+@policy.command("delete")
+def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id.")]) -> None:
+    """Delete a policy (a tombstone on the policies topic)."""
+    from streams.policy_admin import delete_policy
+    from streams.settings import WorkerSettings
+
+    delete_policy(WorkerSettings(), policy_id)
+    console.print(f"deleted {policy_id}")
+
+
+@app.command("demo")
+def demo(
+    seconds: Annotated[float, typer.Option(help="How long the workload runs.")] = 40.0,
+) -> None:
+    """Run a short demo workload against a running worker and admission service."""
+    from spendgate.demo import run_demo
+
+    run_demo(seconds=seconds)
+
+
+def main() -> None:
+    """Entry point of the ``spendgate`` console script."""
+    try:
+        app()
+    except SpendgateError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        sys.exit(2)
+    except TimeoutError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        sys.exit(3)
+    logging.shutdown()

@@ -1,0 +1,8 @@
+"""The stream processor: faust agents keeping per-budget-key windows, materialized to Redis."""
+
+from __future__ import annotations
+
+from streams.ledger import Change, KeyedRecord, KeyState, apply, keyed_record
+from streams.settings import WorkerSettings
+
+__all__ = ["Change", "KeyState", "KeyedRecord", "WorkerSettings", "apply", "keyed_record"]

@@ -1,0 +1,85 @@
+"""``spendgate policy apply|list|delete``: validate, publish and read policies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import yaml
+from aiokafka import AIOKafkaProducer
+from pydantic import TypeAdapter, ValidationError
+
+from schemas.exceptions import PolicyError
+from schemas.policies import Policy
+from streams.policybook import read_policies
+from streams.settings import WorkerSettings
+from streams.topics import ensure_topics
+
+_policies = TypeAdapter(list[Policy])
+
+
+def load_policies(path: Path) -> list[Policy]:
+    """Read and validate one policy or a list of policies from a YAML or JSON file.
+
+    Raises:
+        PolicyError: the file cannot be parsed or a policy is invalid (the message names
+            the policy and the field).
+    """
+    try:
+        raw = yaml.safe_load(path.read_text()) if path.suffix in {".yaml", ".yml"} else (
+            json.loads(path.read_text())
+        )
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise PolicyError(f"{path}: not valid YAML/JSON: {exc}") from exc
+    items = raw if isinstance(raw, list) else [raw]
+    try:
+        policies = _policies.validate_python(items)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PolicyError(f"{path}: policy field {where}: {first['msg']}") from exc
+    ids = [p.id for p in policies]
+    if len(set(ids)) != len(ids):
+        raise PolicyError(f"{path}: policy ids must be unique within the file")
+    return policies
+
+
+async def publish_policies(settings: WorkerSettings, policies: list[Policy]) -> None:
+    """Write policies to the compacted policies topic (key = policy id)."""
+    await ensure_topics(settings)
+    async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap,
+                                enable_idempotence=True) as producer:
+        for p in policies:
+            await producer.send_and_wait(settings.topic("policies"), p.model_dump_json().encode(),
+                                         key=p.id.encode())
+
+
+def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
+    """Validate every policy in ``path`` first, then publish them all; return their ids."""
+    policies = load_policies(path)
+    asyncio.run(publish_policies(settings, policies))
+    return [p.id for p in policies]
+
+
+def list_policies(settings: WorkerSettings) -> list[Policy]:
+    """The policies in force, sorted by id."""
+    found = asyncio.run(read_policies(settings.kafka_bootstrap, settings.topic("policies")))
+    return sorted(found.values(), key=lambda p: p.id)
+
+
+def delete_policy(settings: WorkerSettings, policy_id: str) -> None:
+    """Publish a tombstone for ``policy_id``.
+
+    Raises:
+        PolicyError: no such policy is in force.
+    """
+    if policy_id not in {p.id for p in list_policies(settings)}:
+        raise PolicyError(f"no policy {policy_id!r} is in force")
+
+    async def _tombstone() -> None:
+        async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap) as producer:
+            await producer.send_and_wait(settings.topic("policies"), None,
+                                         key=policy_id.encode())
+
+    asyncio.run(_tombstone())

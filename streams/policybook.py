@@ -1,0 +1,73 @@
+"""The policies in force, read from the compacted ``policies`` topic."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import ValidationError
+
+from schemas.policies import Policy
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyBook:
+    """Tails the policies topic from its start into memory; ``ready`` is set once caught up."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.policies: dict[str, Policy] = {}
+        self.ready = asyncio.Event()
+        self.version = 0
+
+    def _apply(self, key: bytes | None, value: bytes | None) -> None:
+        if key is None:
+            return
+        policy_id = key.decode()
+        if value is None:
+            self.policies.pop(policy_id, None)
+        else:
+            try:
+                self.policies[policy_id] = Policy.model_validate_json(value)
+            except ValidationError as exc:
+                # `policy apply` validates first, so this is a foreign writer; keep the old one.
+                logger.error("ignoring invalid policy record %s: %s", policy_id, exc)
+                return
+        self.version += 1
+
+    async def run(self) -> None:
+        """Consume forever; set ``ready`` after reaching the end offsets seen at start."""
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tp = TopicPartition(self.topic, 0)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            end = (await consumer.end_offsets([tp]))[tp]
+            if end == 0:
+                self.ready.set()
+            while True:
+                batch = await consumer.getmany(tp, timeout_ms=500)
+                for message in batch.get(tp, []):
+                    self._apply(message.key, message.value)
+                    if message.offset + 1 >= end:
+                        self.ready.set()
+        finally:
+            await consumer.stop()
+
+
+async def read_policies(bootstrap: str, topic: str) -> dict[str, Policy]:
+    """Read the policies topic to its current end and return the policies in force."""
+    book = PolicyBook(bootstrap, topic)
+    task = asyncio.create_task(book.run())
+    try:
+        await asyncio.wait_for(book.ready.wait(), timeout=30)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return dict(book.policies)
