@@ -7,22 +7,8 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from schemas.policies import Policy
+from schemas.redis_keys import pending_key, policies_key, policies_version_key, window_key
 from streams.ledger import Change, KeyState
-
-
-def window_key(prefix: str, key: str) -> str:
-    """Redis hash of one budget key's buckets: field = bucket start ms, value = amount."""
-    return f"{prefix}w:{key}"
-
-
-def pending_key(prefix: str, key: str) -> str:
-    """Redis hash of reservations admission holds for a key that the worker has not seen."""
-    return f"{prefix}p:{key}"
-
-
-def policies_key(prefix: str) -> str:
-    """Redis hash of the policies in force: field = policy id, value = policy JSON."""
-    return f"{prefix}policies"
 
 
 class RedisMaterializer:
@@ -59,5 +45,5 @@ class RedisMaterializer:
             mapping = {p.id: p.model_dump_json() for p in policies}
             if mapping:
                 pipe.hset(pkey, mapping=mapping)
-            pipe.incr(f"{pkey}:version")
+            pipe.incr(policies_version_key(self.prefix))
             await pipe.execute()

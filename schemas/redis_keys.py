@@ -1,0 +1,40 @@
+"""Names of the Redis keys the stream processor writes and the admission service reads.
+
+Both sides import these, so the layout is defined once. Every name starts with the
+configured prefix (``SPENDGATE_REDIS_PREFIX``, default ``sg:``).
+"""
+
+from __future__ import annotations
+
+
+def window_key(prefix: str, key: str) -> str:
+    """Hash of one budget key's buckets: field = bucket start ms, value = amount."""
+    return f"{prefix}w:{key}"
+
+
+def pending_key(prefix: str, key: str) -> str:
+    """Hash of reservations admission holds that the processor has not absorbed yet.
+
+    Field = reservation id, value = ``"amount:expires_ms"``.
+    """
+    return f"{prefix}p:{key}"
+
+
+def policies_key(prefix: str) -> str:
+    """Hash of the policies in force: field = policy id, value = policy JSON."""
+    return f"{prefix}policies"
+
+
+def policies_version_key(prefix: str) -> str:
+    """Counter bumped each time the policies hash is rewritten."""
+    return f"{prefix}policies:version"
+
+
+def request_key(prefix: str, request_id: str) -> str:
+    """The first answer to an admit with this request id (idempotency)."""
+    return f"{prefix}req:{request_id}"
+
+
+def reservation_key(prefix: str, reservation_id: str) -> str:
+    """The subject and model of an open reservation, for its commit or release."""
+    return f"{prefix}res:{reservation_id}"
