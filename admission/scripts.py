@@ -11,7 +11,8 @@ from __future__ import annotations
 # ARGV[1] n, ARGV[2] reservation id, ARGV[3] idempotency ttl ms
 # ARGV[4 + 5(j-1) ...] for target j: limit, window_ms, bucket_ms, amount, reservation ttl ms
 # Returns {replayed (0/1), allowed (0/1), now_ms, retry_after_ms (-1 none, -2 never fits),
-#          reservation id, then per target: used, reserved}
+#          reservation id, then per target: used, reserved (including this request's
+#          reservation when allowed)}; an allow is stored and a repeat returns it verbatim.
 ADMIT = r"""
 local stored = redis.call('GET', KEYS[1])
 if stored then
@@ -67,7 +68,12 @@ for j = 1, n do
   end
 end
 local answer = {fits and 1 or 0, now, retry, rid}
-for j = 1, n do answer[#answer + 1] = used[j]; answer[#answer + 1] = reserved[j] end
+for j = 1, n do
+  -- An allow reports the state including its own reservation.
+  local own = fits and tonumber(ARGV[4 + 5 * (j - 1) + 3]) or 0
+  answer[#answer + 1] = used[j]
+  answer[#answer + 1] = reserved[j] + own
+end
 if fits then
   for j = 1, n do
     local base = 4 + 5 * (j - 1)

@@ -253,7 +253,7 @@ def _earliest_offset(
         if slack < 0:
             return None
         return last - min(k_hi, (slack * bucket_ms) // edge)
-    return r_lo if edge * k_hi <= slack * bucket_ms else None
+    return r_lo if slack >= 0 else None
 
 
 def retry_after(

@@ -1,0 +1,128 @@
+"""End to end on a real broker and Redis: events raise windows; admission refuses and reserves."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from aiokafka import AIOKafkaProducer
+
+from schemas.events import CommitEvent, partition_key
+from schemas.redis_keys import pending_key, window_key
+from streams.settings import WorkerSettings
+from tests.fixtures.factories import CommitFactory, PolicyFactory
+from tests.fixtures.pipeline import ApplyPolicies
+
+pytestmark = pytest.mark.integration
+
+
+def _window_total(client: redis.Redis, prefix: str, key: str) -> int:
+    return sum(int(v) for v in client.hvals(window_key(prefix, key)))
+
+
+def _pending_total(client: redis.Redis, prefix: str, key: str) -> int:
+    return sum(int(v.split(b":")[0]) for v in client.hvals(pending_key(prefix, key)))
+
+
+async def _produce(settings: WorkerSettings, events: list[CommitEvent]) -> None:
+    async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap,
+                                enable_idempotence=True) as producer:
+        for event in events:
+            await producer.send(settings.topic("usage"), event.model_dump_json().encode(),
+                                key=partition_key(event.subject))
+        await producer.flush()
+
+
+async def _eventually(check: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met in {timeout_s}s: {check}")
+        await asyncio.sleep(0.2)
+
+
+def _admit_body(tenant: str, tokens: int) -> dict[str, Any]:
+    return {"request_id": uuid.uuid4().hex, "subject": {"tenant": tenant, "model": "m1"},
+            "estimate": {"input_tokens": tokens}}
+
+
+class TestPipeline:
+    async def test_commits_raise_the_window_and_an_over_limit_admit_is_refused(
+        self, worker: subprocess.Popen[bytes], worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies, policy_factory: PolicyFactory,
+        commit_factory: CommitFactory, redis_sync: redis.Redis,
+        admission_client: httpx.AsyncClient,
+    ) -> None:
+        policy = policy_factory(limit=1000, unit="total_tokens", window="1m", bucket="5s")
+        await apply_policies(policy)
+        key = f"{policy.id}|tenant=acme"
+        events = [commit_factory(input_tokens=100, output_tokens=50) for _ in range(4)]
+        # A duplicate delivery of the first event must not count again.
+        await _produce(worker_settings, [*events, events[0]])
+        prefix = worker_settings.redis_prefix
+        await _eventually(lambda: _window_total(redis_sync, prefix, key) == 600)
+
+        refused = await admission_client.post("/v1/admit", json=_admit_body("acme", 401))
+        assert refused.status_code == 429, refused.text
+        body = refused.json()
+        assert body["decision"] == "reject"
+        assert body["violated"] == [policy.id]
+        assert body["budgets"][0]["used"] == 600
+        # `include` keeps the oldest bucket until it has wholly aged out: at most window + bucket.
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60 + 5
+
+        allowed = await admission_client.post("/v1/admit", json=_admit_body("acme", 400))
+        assert allowed.status_code == 200, allowed.text
+        assert allowed.json()["budgets"][0]["remaining"] == 0
+
+        # The worker absorbs the reservation from its reserve event: pending moves into the
+        # window without a gap or a double count.
+        await _eventually(lambda: _pending_total(redis_sync, prefix, key) == 0)
+        assert _window_total(redis_sync, prefix, key) == 1000
+
+        never = await admission_client.post("/v1/admit", json=_admit_body("acme", 5000))
+        assert never.status_code == 429
+        assert never.json()["never_fits"] is True
+        assert "Retry-After" not in never.headers
+
+    async def test_concurrent_admits_never_reserve_more_than_the_limit(
+        self, worker: subprocess.Popen[bytes], worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies, policy_factory: PolicyFactory,
+        redis_sync: redis.Redis, admission_client: httpx.AsyncClient,
+    ) -> None:
+        policy = policy_factory(limit=1000, unit="input_tokens", window="1m", bucket="5s")
+        await apply_policies(policy)
+        key = f"{policy.id}|tenant=race"
+        estimate = 30
+        answers = await asyncio.gather(*(
+            admission_client.post("/v1/admit", json=_admit_body("race", estimate))
+            for _ in range(100)
+        ))
+        statuses = [a.status_code for a in answers]
+        assert set(statuses) <= {200, 429}
+        admitted = statuses.count(200)
+        assert admitted == policy.limit // estimate
+        held = _pending_total(redis_sync, worker_settings.redis_prefix, key) + _window_total(
+            redis_sync, worker_settings.redis_prefix, key
+        )
+        assert held == admitted * estimate <= policy.limit
+
+    async def test_repeated_request_id_returns_the_first_answer(
+        self, worker: subprocess.Popen[bytes], apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory, admission_client: httpx.AsyncClient,
+    ) -> None:
+        policy = policy_factory(limit=100, unit="input_tokens")
+        await apply_policies(policy)
+        body = _admit_body("idem", 60)
+        first = await admission_client.post("/v1/admit", json=body)
+        again = await admission_client.post("/v1/admit", json=body)
+        assert first.status_code == again.status_code == 200
+        assert first.json()["reservation_id"] == again.json()["reservation_id"]
+        other = await admission_client.post("/v1/admit", json=_admit_body("idem", 60))
+        assert other.status_code == 429
