@@ -191,7 +191,7 @@ def total(spec: WindowSpec, buckets: Mapping[int, int], t_ms: int) -> int:
     full = 0
     edge = 0
     for start, amount in buckets.items():
-        if oldest_full <= start <= head:
+        if oldest_full <= start:
             full += amount
         elif start == boundary_start:
             edge = amount
@@ -253,7 +253,7 @@ def _earliest_offset(
         if slack < 0:
             return None
         return last - min(k_hi, (slack * bucket_ms) // edge)
-    return r_lo if slack >= 0 else None
+    return r_lo if edge * k_hi <= slack * bucket_ms else None
 
 
 def retry_after(

@@ -47,17 +47,24 @@ def dev_up() -> None:
     for status in statuses:
         console.print(
             f"[green]up[/] {status.name:<5} 127.0.0.1:{status.port} pid {status.pid} "
-            f"log {status.log}"
+            f"log {status.log}",
+            soft_wrap=True,
         )
 
 
 @dev.command("down")
-def dev_down() -> None:
+def dev_down(
+    wipe: Annotated[bool, typer.Option("--wipe", help="Also delete the broker's data.")] = False,
+) -> None:
     """Stop the Kafka broker and Redis server that `dev up` started (and nothing else)."""
     from spendgate.devstack import LocalStack, StackSettings
 
-    stopped = LocalStack(StackSettings()).down()
+    stack = LocalStack(StackSettings())
+    stopped = stack.down()
     console.print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+    if wipe:
+        stack.wipe()
+        console.print(f"wiped {stack.dir / 'kafka' / 'data'}")
 
 
 @dev.command("status")
@@ -132,11 +139,12 @@ def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id."
 @app.command("demo")
 def demo(
     seconds: Annotated[float, typer.Option(help="How long the workload runs.")] = 40.0,
+    url: Annotated[str, typer.Option(help="The admission service.")] = "http://127.0.0.1:8787",
 ) -> None:
     """Run a short demo workload against a running worker and admission service."""
     from spendgate.demo import run_demo
 
-    run_demo(seconds=seconds)
+    run_demo(base_url=url, seconds=seconds)
 
 
 def main() -> None:

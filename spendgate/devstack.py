@@ -218,21 +218,20 @@ class LocalStack:
         libs = self.fetch_kafka()
         self._refuse_foreign_port("kafka", s.kafka_port, s.kafka_controller_port)
         config = self._kafka_config()
-        data = self.dir / "kafka" / "data"
-        # A fresh broker each time: stale local state against a new cluster id breaks faust.
-        shutil.rmtree(data, ignore_errors=True)
         java = self._java()
         classpath = f"{libs}/*"
         log4j = f"-Dlog4j2.configurationFile={self.dir / 'kafka' / 'log4j2.properties'}"
-        uuid = subprocess.run(
-            [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "random-uuid"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip().splitlines()[-1]
-        subprocess.run(
-            [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "format",
-             "-t", uuid, "-c", str(config)],
-            capture_output=True, text=True, check=True,
-        )
+        # Format once; later `dev up`s keep the topics (`dev down --wipe` starts afresh).
+        if not (self.dir / "kafka" / "data" / "meta.properties").exists():
+            uuid = subprocess.run(
+                [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "random-uuid"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip().splitlines()[-1]
+            subprocess.run(
+                [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "format",
+                 "-t", uuid, "-c", str(config)],
+                capture_output=True, text=True, check=True,
+            )
         log = self.log_path("kafka")
         cmd = [java, f"-Xms{s.kafka_heap}", f"-Xmx{s.kafka_heap}", "-XX:+UseG1GC",
                "-Djava.awt.headless=true", f"-Dkafka.logs.dir={log.parent}", log4j,
@@ -314,6 +313,13 @@ class LocalStack:
                     raise TimeoutError(f"{name} not ready in time; see {self.log_path(name)}")
                 time.sleep(0.5)
         return self.status()
+
+    def wipe(self) -> None:
+        """Delete the broker's data (call after :meth:`down`); the next ``up`` formats anew.
+
+        Worker table folders built against the old broker must be wiped too.
+        """
+        shutil.rmtree(self.dir / "kafka" / "data", ignore_errors=True)
 
     def down(self) -> list[Service]:
         """Stop the services this tool started (SIGTERM, then SIGKILL after 30 s)."""

@@ -199,16 +199,31 @@ def _segment_ends(spec: WindowSpec, start_ms: int, end_ms: int) -> list[int]:
     return ends
 
 
+_AMOUNTS = st.integers(0, 1200)
+_EXTRAS = st.integers(0, 600)
+_LIMITS = st.integers(0, 4000)
+_SHORTFALL = st.tuples(st.integers(0, 3), st.floats(0, 1))
+
+
+@st.composite
+def retry_cases(draw: st.DrawFn) -> tuple[Scenario, int, int, int]:
+    """A scenario with (limit, amount, extra); mostly a request that fits only later."""
+    case: Scenario = draw(scenarios(signed=True) | scenarios())
+    amount: int = draw(_AMOUNTS)
+    extra: int = draw(_EXTRAS)
+    kind, fraction = draw(_SHORTFALL)
+    if kind == 0:
+        return case, draw(_LIMITS), amount, extra
+    # Short of the limit by a fraction of the current total: it fits once enough ages out.
+    now = total(case.spec, case.state(), case.t_ms)
+    limit = now + extra + amount - max(1, int(abs(now) * fraction))
+    return case, max(0, limit), amount, extra
+
+
 class TestRetryAfter:
-    @given(
-        scenarios(signed=True) | scenarios(),
-        st.integers(0, 4000),
-        st.integers(0, 1200),
-        st.integers(0, 600),
-    )
-    def test_earliest_instant_that_fits(
-        self, case: Scenario, limit: int, amount: int, extra: int
-    ) -> None:
+    @given(retry_cases())
+    def test_earliest_instant_that_fits(self, retry: tuple[Scenario, int, int, int]) -> None:
+        case, limit, amount, extra = retry
         spec, state, t_ms = case.spec, case.state(), case.t_ms
 
         def fits(at_ms: int) -> bool:
