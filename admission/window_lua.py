@@ -150,12 +150,10 @@ local function window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   for i = 1, n do
     local s = starts[i]
     by_start[s] = amounts[i]
-    -- The full-bucket sum changes only when a bucket becomes the head, the boundary,
-    -- or leaves: those periods (and the current one) are all that need solving.
-    local entered, bounded, left = s, s + window_ms, s + window_ms + bucket_ms
-    if entered > head then np = np + 1; periods[np] = entered end
-    if bounded > head then np = np + 1; periods[np] = bounded end
-    if left > head then np = np + 1; periods[np] = left end
+    -- Only periods where a bucket enters (as the head) or is the boundary can differ
+    -- from the previous period's last millisecond: solve those and the current one.
+    if s > head then np = np + 1; periods[np] = s end
+    if s + window_ms > head then np = np + 1; periods[np] = s + window_ms end
   end
   table.sort(periods)
   local room = limit - extra - amount

@@ -41,23 +41,16 @@ def parse_duration_ms(text: str) -> int:
     Raises:
         ValueError: the text is not such a duration.
     """
-    found = _DURATION.match(text.strip())
+    found = _DURATION.match(text)
     if found is None or int(found.group(1)) <= 0:
         raise ValueError(f"{text!r} is not a duration like 30s, 15m, 24h or 7d")
     return int(found.group(1)) * _UNIT_MS[found.group(2)]
 
 
-def format_duration_ms(duration_ms: int) -> str:
-    """Render milliseconds in the largest whole unit (``86400000`` -> ``1d``)."""
-    for suffix in ("d", "h", "m", "s"):
-        if duration_ms % _UNIT_MS[suffix] == 0:
-            return f"{duration_ms // _UNIT_MS[suffix]}{suffix}"
-    return f"{duration_ms}ms"
-
-
 def _duration(text: str) -> str:
-    return format_duration_ms(parse_duration_ms(text))
+    parse_duration_ms(text)
+    return text
 
 
-#: A duration string, normalized to its largest whole unit.
+#: A duration string such as ``24h``, kept as written so policies round-trip unchanged.
 Duration = Annotated[str, AfterValidator(_duration)]

@@ -124,7 +124,7 @@ class WindowSpec:
         A bucket older than this is outside every window from ``t_ms`` on: ``prune``
         drops it and an event landing in it is too late to matter.
         """
-        return self.bucket_of(t_ms + 1) - self.window_ms
+        return self.bucket_of(t_ms) - self.window_ms + self.bucket_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +191,7 @@ def total(spec: WindowSpec, buckets: Mapping[int, int], t_ms: int) -> int:
     full = 0
     edge = 0
     for start, amount in buckets.items():
-        if oldest_full <= start:
+        if oldest_full <= start <= head:
             full += amount
         elif start == boundary_start:
             edge = amount
@@ -268,8 +268,8 @@ def retry_after(
     """Find the earliest instant a request fits, assuming no new usage.
 
     The total is piecewise in time: within one head-bucket period only the boundary
-    share changes, and a period's full buckets differ from the previous period's only
-    when a bucket enters (becomes the head), becomes the boundary or leaves. The scan
+    share changes, and a period can differ from the previous period's last millisecond
+    only when a bucket enters it (as the head) or is its boundary bucket. The scan
     visits those periods in order and solves each one exactly.
 
     Args:
@@ -298,11 +298,12 @@ def retry_after(
     bucket_ms = spec.bucket_ms
     head = t_ms - t_ms % bucket_ms
     starts = sorted(buckets)
+    # Between these periods nothing changes: a period where no bucket enters and none
+    # is the boundary totals what the previous period totals at its last millisecond.
     periods = {head}
     for start in starts:
-        for period in (start, start + window_ms, start + window_ms + bucket_ms):
-            if period > head:
-                periods.add(period)
+        periods.add(max(head, start))
+        periods.add(max(head, start + window_ms))
     room = limit - extra - amount
     count = len(starts)
     lo = hi = 0

@@ -253,6 +253,36 @@ class TestRetryAfter:
             assert case.exact(fits_at) + extra + amount <= limit
 
 
+    @given(
+        st.sampled_from(BOUNDARIES),
+        st.integers(1, 4),
+        st.integers(-300, 300),
+        st.integers(-300, 300),
+        st.integers(0, 999),
+        st.integers(-400, 400),
+    )
+    def test_within_one_period_matches_a_millisecond_scan(
+        self, boundary: Boundary, buckets: int, edge: int, full: int, r_lo: int, slack: int
+    ) -> None:
+        """One full bucket plus a boundary bucket, any signs: scan every millisecond."""
+        spec = WindowSpec(buckets * 1000, 1000, boundary)
+        head = 50 * spec.window_ms
+        state: Buckets = {}
+        add(spec, state, head - spec.window_ms, edge)
+        add(spec, state, head, full)
+        limit, extra = 1000, 1000 - full - slack  # leaves `slack` for the boundary share
+        t_ms = head + r_lo
+        expected = next(
+            (at for at in range(t_ms, head + 1000) if total(spec, state, at) + extra <= limit),
+            None,
+        )
+        answer = retry_after(spec, state, t_ms, limit=limit, amount=0, extra=extra)
+        if expected is not None:
+            assert answer.fits_at_ms == expected
+        else:
+            assert answer.fits_at_ms is None or answer.fits_at_ms >= head + 1000
+
+
 class TestPrune:
     @given(scenarios(signed=True), st.lists(st.integers(0, 30_000 * 25), min_size=1, max_size=5))
     def test_prune_changes_nothing_from_now_on(self, case: Scenario, later_ms: list[int]) -> None:
