@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -31,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 DECISIONS = Counter("spendgate_admission_decisions_total", "Admission answers.", ["decision"])
 LATENCY = Histogram(
-    "spendgate_admission_seconds", "Time to answer an admit.",
+    "spendgate_admission_seconds",
+    "Time to answer an admit.",
     buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 
@@ -66,13 +66,20 @@ def _statuses(charges: Sequence[Charge], result: AdmitResult) -> list[BudgetStat
     out = []
     for charge, used, reserved in zip(charges, result.used, result.reserved, strict=True):
         p = charge.target.policy
-        out.append(BudgetStatus(
-            policy=p.id, key=charge.target.key, unit=p.unit, limit=p.limit, used=used,
-            reserved=reserved, remaining=max(0, p.limit - used - reserved),
-            window_seconds=p.window_ms // 1000,
-            # Upper bound: with no new usage everything counted now has aged out by then.
-            reset_after_seconds=p.window_ms // 1000,
-        ))
+        out.append(
+            BudgetStatus(
+                policy=p.id,
+                key=charge.target.key,
+                unit=p.unit,
+                limit=p.limit,
+                used=used,
+                reserved=reserved,
+                remaining=max(0, p.limit - used - reserved),
+                window_seconds=p.window_ms // 1000,
+                # Upper bound: with no new usage everything counted now has aged out by then.
+                reset_after_seconds=p.window_ms // 1000,
+            )
+        )
     return out
 
 
@@ -86,8 +93,7 @@ def _ratelimit_headers(budgets: list[BudgetStatus]) -> dict[str, str]:
     }
 
 
-def create_app(store: BudgetStore, publisher: UsagePublisher,
-               lifespan: Any = None) -> FastAPI:
+def create_app(store: BudgetStore, publisher: UsagePublisher, lifespan: Any = None) -> FastAPI:
     """Build the API around an opened store and publisher (see ``admission.server``)."""
     app = FastAPI(title="spendgate admission", version="1", lifespan=lifespan)
 
@@ -119,12 +125,23 @@ def create_app(store: BudgetStore, publisher: UsagePublisher,
         budgets = _statuses(charges, result)
         headers = _ratelimit_headers(budgets)
         if not result.allowed:
-            violated = [b.policy for b, c in zip(budgets, charges, strict=True)
-                        if b.used + b.reserved + c.amount > b.limit]
-            retry_s = (None if result.never_fits or result.retry_after_ms is None
-                       else max(1, math.ceil(result.retry_after_ms / 1000)))
-            decision = Decision(decision="reject", violated=violated, budgets=budgets,
-                                retry_after_seconds=retry_s, never_fits=result.never_fits)
+            violated = [
+                b.policy
+                for b, c in zip(budgets, charges, strict=True)
+                if b.used + b.reserved + c.amount > b.limit
+            ]
+            retry_s = (
+                None
+                if result.never_fits or result.retry_after_ms is None
+                else max(1, math.ceil(result.retry_after_ms / 1000))
+            )
+            decision = Decision(
+                decision="reject",
+                violated=violated,
+                budgets=budgets,
+                retry_after_seconds=retry_s,
+                never_fits=result.never_fits,
+            )
             if retry_s is not None:
                 headers["Retry-After"] = str(retry_s)
             DECISIONS.labels(decision="reject").inc()
@@ -134,15 +151,25 @@ def create_app(store: BudgetStore, publisher: UsagePublisher,
             now = _now(result.now_ms)
             await store.client.set(
                 reservation_key(store.prefix, result.reservation_id),
-                body.subject.model_dump_json(), px=ttl_ms + 3_600_000,
+                body.subject.model_dump_json(),
+                px=ttl_ms + 3_600_000,
             )
-            publisher.publish(ReserveEvent(
-                event_id=f"reserve-{result.reservation_id}", subject=body.subject,
-                occurred_at=now, reservation_id=result.reservation_id, usage=body.estimate,
-                expires_at=now + timedelta(milliseconds=ttl_ms),
-            ))
-        decision = Decision(decision="allow", reservation_id=result.reservation_id,
-                            model=body.subject.model, budgets=budgets)
+            publisher.publish(
+                ReserveEvent(
+                    event_id=f"reserve-{result.reservation_id}",
+                    subject=body.subject,
+                    occurred_at=now,
+                    reservation_id=result.reservation_id,
+                    usage=body.estimate,
+                    expires_at=now + timedelta(milliseconds=ttl_ms),
+                )
+            )
+        decision = Decision(
+            decision="allow",
+            reservation_id=result.reservation_id,
+            model=body.subject.model,
+            budgets=budgets,
+        )
         DECISIONS.labels(decision="allow").inc()
         return JSONResponse(decision.model_dump(mode="json", exclude_none=True), 200, headers)
 
@@ -155,19 +182,28 @@ def create_app(store: BudgetStore, publisher: UsagePublisher,
     @app.post("/v1/commit", status_code=202)
     async def commit(body: CommitRequest) -> dict[str, str]:
         subject = await _subject(body.reservation_id)
-        publisher.publish(CommitEvent(
-            event_id=f"commit-{body.reservation_id}", subject=subject,
-            occurred_at=datetime.now(UTC), reservation_id=body.reservation_id, usage=body.usage,
-        ))
+        publisher.publish(
+            CommitEvent(
+                event_id=f"commit-{body.reservation_id}",
+                subject=subject,
+                occurred_at=datetime.now(UTC),
+                reservation_id=body.reservation_id,
+                usage=body.usage,
+            )
+        )
         return {"status": "accepted"}
 
     @app.post("/v1/release", status_code=202)
     async def release(body: ReleaseRequest) -> dict[str, str]:
         subject = await _subject(body.reservation_id)
-        publisher.publish(ReleaseEvent(
-            event_id=f"release-{body.reservation_id}", subject=subject,
-            occurred_at=datetime.now(UTC), reservation_id=body.reservation_id,
-        ))
+        publisher.publish(
+            ReleaseEvent(
+                event_id=f"release-{body.reservation_id}",
+                subject=subject,
+                occurred_at=datetime.now(UTC),
+                reservation_id=body.reservation_id,
+            )
+        )
         return {"status": "accepted"}
 
     @app.get("/healthz")

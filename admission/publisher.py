@@ -47,11 +47,12 @@ class KafkaPublisher:
                 try:
                     assert self.producer is not None
                     await self.producer.send(
-                        self.topic, event.model_dump_json().encode(),
+                        self.topic,
+                        event.model_dump_json().encode(),
                         key=partition_key(event.subject),
                     )
                     break
-                except Exception:  # noqa: BLE001 - keep the event and retry; it is not lost
+                except Exception:
                     logger.exception("publishing %s failed; retrying", event.event_id)
                     await asyncio.sleep(0.5)
 

@@ -22,14 +22,16 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
     """The admission app whose lifespan opens Redis and the Kafka producer."""
     client = aioredis.Redis.from_url(settings.redis_url)
     store = BudgetStore(client, settings.redis_prefix, settings.policy_refresh_s)
-    publisher = KafkaPublisher(settings.kafka_bootstrap, settings.topic("usage"),
-                               settings.publish_buffer)
+    publisher = KafkaPublisher(
+        settings.kafka_bootstrap, settings.topic("usage"), settings.publish_buffer
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.auth_tokens_file is None:
-            logger.warning("AUTH IS OFF: any caller may act for any tenant "
-                           "(set SPENDGATE_AUTH_TOKENS_FILE)")
+            logger.warning(
+                "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
+            )
         async with publisher:
             try:
                 yield
@@ -41,5 +43,10 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
 
 def serve(settings: AdmissionSettings) -> None:
     """Serve until interrupted."""
-    uvicorn.run(build_app(settings), host=settings.admission_host,
-                port=settings.admission_port, log_level="warning", access_log=False)
+    uvicorn.run(
+        build_app(settings),
+        host=settings.admission_host,
+        port=settings.admission_port,
+        log_level="warning",
+        access_log=False,
+    )

@@ -53,7 +53,7 @@ class BudgetStore:
         self.refresh_s = refresh_s
         self._admit = client.register_script(ADMIT)
         self._policies: list[Policy] = []
-        self._version: bytes | None = None
+        self._version: bytes | str | None = None
         self._checked = 0.0
 
     async def policies(self) -> list[Policy]:
@@ -68,17 +68,25 @@ class BudgetStore:
         self._checked = time.monotonic()
         return self._policies
 
-    async def admit(self, request_id: str, reservation_id: str,
-                    charges: list[Charge]) -> AdmitResult:
+    async def admit(
+        self, request_id: str, reservation_id: str, charges: list[Charge]
+    ) -> AdmitResult:
         """Check every charge and reserve on all of them, or on none, in one script."""
         keys = [request_key(self.prefix, request_id)]
         args: list[int | str] = [len(charges), reservation_id, IDEMPOTENCY_TTL_MS]
         for charge in charges:
             policy = charge.target.policy
-            keys += [window_key(self.prefix, charge.target.key),
-                     pending_key(self.prefix, charge.target.key)]
-            args += [policy.limit, policy.window_ms, policy.bucket_ms, charge.amount,
-                     policy.reservation_ttl_ms]
+            keys += [
+                window_key(self.prefix, charge.target.key),
+                pending_key(self.prefix, charge.target.key),
+            ]
+            args += [
+                policy.limit,
+                policy.window_ms,
+                policy.bucket_ms,
+                charge.amount,
+                policy.reservation_ttl_ms,
+            ]
         raw = await self._admit(keys=keys, args=args)
         replayed, allowed, now_ms, retry, rid, *rest = raw
         retry = int(retry)

@@ -16,7 +16,9 @@ PolicyId = Annotated[str, Field(pattern=r"^[a-z0-9._-]{1,64}$")]
 Identifier = Annotated[str, Field(min_length=1, max_length=200)]
 SubjectValue = Annotated[str, Field(min_length=1, max_length=200)]
 
-Unit = Literal["requests", "input_tokens", "output_tokens", "total_tokens", "cost_usd", "gpu_seconds"]
+Unit = Literal[
+    "requests", "input_tokens", "output_tokens", "total_tokens", "cost_usd", "gpu_seconds"
+]
 Boundary = Literal["include", "exclude", "prorate"]
 Mode = Literal["enforce", "observe"]
 OnExceed = Literal["reject", "cap", "downgrade"]

@@ -110,9 +110,7 @@ class WindowSpec:
                 f"bucket_ms {self.bucket_ms}"
             )
         if self.boundary not in BOUNDARIES:
-            raise ValueError(
-                f"boundary: {self.boundary!r} is not one of {', '.join(BOUNDARIES)}"
-            )
+            raise ValueError(f"boundary: {self.boundary!r} is not one of {', '.join(BOUNDARIES)}")
 
     def bucket_of(self, t_ms: int) -> int:
         """Return the start of the bucket holding ``t_ms`` (floor to ``bucket_ms``)."""
@@ -124,7 +122,7 @@ class WindowSpec:
         A bucket older than this is outside every window from ``t_ms`` on: ``prune``
         drops it and an event landing in it is too late to matter.
         """
-        return self.bucket_of(t_ms) - self.window_ms + self.bucket_ms
+        return self.bucket_of(t_ms + 1) - self.window_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +301,7 @@ def retry_after(
     periods = {head}
     for start in starts:
         periods.add(max(head, start))
-        periods.add(max(head, start + window_ms))
+        pass
     room = limit - extra - amount
     count = len(starts)
     lo = hi = 0

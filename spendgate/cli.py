@@ -19,8 +19,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-dev = typer.Typer(help="Run a local Kafka broker and Redis server (no Docker).",
-                  no_args_is_help=True)
+dev = typer.Typer(
+    help="Run a local Kafka broker and Redis server (no Docker).", no_args_is_help=True
+)
 policy = typer.Typer(help="Apply, list and delete budget policies.", no_args_is_help=True)
 app.add_typer(dev, name="dev")
 app.add_typer(policy, name="policy")
@@ -102,8 +103,12 @@ def admission(json_logs: JsonLogs = False) -> None:
 
 @policy.command("apply")
 def policy_apply(
-    file: Annotated[Path, typer.Argument(help="A YAML or JSON file: one policy or a list.",
-                                         exists=True, dir_okay=False)],
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="A YAML or JSON file: one policy or a list.", exists=True, dir_okay=False
+        ),
+    ],
 ) -> None:
     """Validate policies from FILE and publish them; a bad file changes nothing."""
     from streams.policy_admin import apply_file
@@ -121,8 +126,16 @@ def policy_list() -> None:
 
     table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
     for p in list_policies(WorkerSettings()):
-        table.add_row(p.id, p.unit, str(p.limit), p.window, p.bucket, str(p.match),
-                      ",".join(p.group_by), p.mode)
+        table.add_row(
+            p.id,
+            p.unit,
+            str(p.limit),
+            p.window,
+            p.bucket,
+            str(p.match),
+            ",".join(p.group_by),
+            p.mode,
+        )
     Console().print(table)
 
 

@@ -45,16 +45,23 @@ class Tally:
 
 
 def _table(tally: Tally, elapsed_s: float) -> Table:
-    table = Table(title=f"spendgate demo - {elapsed_s:4.0f}s  admitted {tally.admitted}  "
-                        f"refused {tally.refused}  committed {tally.committed}  "
-                        f"cancelled {tally.cancelled}")
+    table = Table(
+        title=f"spendgate demo - {elapsed_s:4.0f}s  admitted {tally.admitted}  "
+        f"refused {tally.refused}  committed {tally.committed}  "
+        f"cancelled {tally.cancelled}"
+    )
     for col in ("budget key", "unit", "used+reserved / limit", "window", "last Retry-After"):
         table.add_column(col)
     for key, view in sorted(tally.keys.items()):
         share = min(1.0, (view.used + view.reserved) / max(view.limit, 1))
         bar = "#" * int(share * 20) + "." * (20 - int(share * 20))
-        table.add_row(key, view.unit, f"[{bar}] {view.used + view.reserved}/{view.limit}",
-                      "1m", tally.last_retry.get(key, "-"))
+        table.add_row(
+            key,
+            view.unit,
+            f"[{bar}] {view.used + view.reserved}/{view.limit}",
+            "1m",
+            tally.last_retry.get(key, "-"),
+        )
     for line in tally.log[-6:]:
         table.add_row("", "", line, "", "")
     return table
@@ -63,24 +70,35 @@ def _table(tally: Tally, elapsed_s: float) -> Table:
 async def _one_request(http: httpx.AsyncClient, tenant: str, tally: Tally) -> None:
     spec = TENANTS[tenant]
     estimate = random.randint(*spec["tokens"])
-    body = {"request_id": uuid.uuid4().hex,
-            "subject": {"tenant": tenant, "api_key": f"{tenant}-key-1", "model": spec["model"]},
-            "estimate": {"requests": 1, "input_tokens": estimate // 3,
-                         "output_tokens": estimate - estimate // 3}}
+    body = {
+        "request_id": uuid.uuid4().hex,
+        "subject": {"tenant": tenant, "api_key": f"{tenant}-key-1", "model": spec["model"]},
+        "estimate": {
+            "requests": 1,
+            "input_tokens": estimate // 3,
+            "output_tokens": estimate - estimate // 3,
+        },
+    }
     answer = await http.post("/v1/admit", json=body)
     data = answer.json()
     for b in data.get("budgets", []):
         view = tally.keys.setdefault(b["key"], KeyView())
-        view.limit, view.used, view.reserved, view.unit = (b["limit"], b["used"], b["reserved"],
-                                                           b["unit"])
+        view.limit, view.used, view.reserved, view.unit = (
+            b["limit"],
+            b["used"],
+            b["reserved"],
+            b["unit"],
+        )
     if answer.status_code == 429:
         tally.refused += 1
         wait = "never fits" if data.get("never_fits") else f"{data['retry_after_seconds']}s"
         for b in data["budgets"]:
             if b["policy"] in data["violated"]:
                 tally.last_retry[b["key"]] = wait
-        tally.log.append(f"[red]refused[/] {tenant} {estimate} tokens: {','.join(data['violated'])}"
-                         f" Retry-After {wait}")
+        tally.log.append(
+            f"[red]refused[/] {tenant} {estimate} tokens: {','.join(data['violated'])}"
+            f" Retry-After {wait}"
+        )
         return
     tally.admitted += 1
     rid = data["reservation_id"]
@@ -90,9 +108,17 @@ async def _one_request(http: httpx.AsyncClient, tenant: str, tally: Tally) -> No
         tally.cancelled += 1
         return
     share = random.uniform(0.5, 1.0)
-    await http.post("/v1/commit", json={"reservation_id": rid, "usage": {
-        "requests": 1, "input_tokens": estimate // 3,
-        "output_tokens": int((estimate - estimate // 3) * share)}})
+    await http.post(
+        "/v1/commit",
+        json={
+            "reservation_id": rid,
+            "usage": {
+                "requests": 1,
+                "input_tokens": estimate // 3,
+                "output_tokens": int((estimate - estimate // 3) * share),
+            },
+        },
+    )
     tally.committed += 1
 
 
@@ -120,5 +146,7 @@ async def _run(base_url: str, seconds: float) -> Tally:
 def run_demo(base_url: str = "http://127.0.0.1:8787", seconds: float = 40.0) -> None:
     """Drive admits, commits and cancellations for ``seconds`` and show the windows fill."""
     tally = asyncio.run(_run(base_url, seconds))
-    Console().print(f"demo done: {tally.admitted} admitted, {tally.refused} refused, "
-                    f"{tally.committed} committed, {tally.cancelled} cancelled")
+    Console().print(
+        f"demo done: {tally.admitted} admitted, {tally.refused} refused, "
+        f"{tally.committed} committed, {tally.cancelled} cancelled"
+    )

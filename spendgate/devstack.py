@@ -147,11 +147,21 @@ class LocalStack:
         work = libs.parent
         work.mkdir(parents=True, exist_ok=True)
         pom = resources.files("spendgate").joinpath("kafka-pom.xml").read_text()
-        pom = pom.replace("<kafka.version>4.1.1</kafka.version>",
-                          f"<kafka.version>{KAFKA_VERSION}</kafka.version>")
+        pom = pom.replace(
+            "<kafka.version>4.1.1</kafka.version>",
+            f"<kafka.version>{KAFKA_VERSION}</kafka.version>",
+        )
         (work / "pom.xml").write_text(pom)
-        cmd = [mvn, "-q", "-B", "-f", str(work / "pom.xml"), "dependency:copy-dependencies",
-               "-DincludeScope=runtime", f"-DoutputDirectory={libs}"]
+        cmd = [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(work / "pom.xml"),
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={libs}",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise ConfigurationError(
@@ -223,22 +233,51 @@ class LocalStack:
         log4j = f"-Dlog4j2.configurationFile={self.dir / 'kafka' / 'log4j2.properties'}"
         # Format once; later `dev up`s keep the topics (`dev down --wipe` starts afresh).
         if not (self.dir / "kafka" / "data" / "meta.properties").exists():
-            uuid = subprocess.run(
-                [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "random-uuid"],
-                capture_output=True, text=True, check=True,
-            ).stdout.strip().splitlines()[-1]
+            uuid = (
+                subprocess.run(
+                    [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "random-uuid"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             subprocess.run(
-                [java, "-cp", classpath, log4j, "kafka.tools.StorageTool", "format",
-                 "-t", uuid, "-c", str(config)],
-                capture_output=True, text=True, check=True,
+                [
+                    java,
+                    "-cp",
+                    classpath,
+                    log4j,
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    uuid,
+                    "-c",
+                    str(config),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
             )
         log = self.log_path("kafka")
-        cmd = [java, f"-Xms{s.kafka_heap}", f"-Xmx{s.kafka_heap}", "-XX:+UseG1GC",
-               "-Djava.awt.headless=true", f"-Dkafka.logs.dir={log.parent}", log4j,
-               "-cp", classpath, "kafka.Kafka", str(config)]
+        cmd = [
+            java,
+            f"-Xms{s.kafka_heap}",
+            f"-Xmx{s.kafka_heap}",
+            "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
+            f"-Dkafka.logs.dir={log.parent}",
+            log4j,
+            "-cp",
+            classpath,
+            "kafka.Kafka",
+            str(config),
+        ]
         with open(log.with_suffix(".out"), "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return proc.pid
 
     def _kafka_ready(self) -> bool:
@@ -257,8 +296,12 @@ class LocalStack:
         if apt and os.geteuid() == 0:
             env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
             subprocess.run([apt, "-qq", "update"], check=False, capture_output=True, env=env)
-            subprocess.run([apt, "install", "-y", "-qq", "redis-server"], check=True,
-                           capture_output=True, env=env)
+            subprocess.run(
+                [apt, "install", "-y", "-qq", "redis-server"],
+                check=True,
+                capture_output=True,
+                env=env,
+            )
             found = shutil.which("redis-server")
             if found:
                 return found
@@ -273,11 +316,26 @@ class LocalStack:
         self._refuse_foreign_port("redis", s.redis_port)
         rdir = self.dir / "redis"
         rdir.mkdir(parents=True, exist_ok=True)
-        cmd = [binary, "--port", str(s.redis_port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(rdir), "--logfile", str(self.log_path("redis")),
-               "--daemonize", "no"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        cmd = [
+            binary,
+            "--port",
+            str(s.redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(rdir),
+            "--logfile",
+            str(self.log_path("redis")),
+            "--daemonize",
+            "no",
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         return proc.pid
 
     def _redis_ready(self) -> bool:

@@ -25,7 +25,8 @@ def configure(*, json_logs: bool, level: str = "INFO") -> None:
     """Install one stderr handler on the root logger."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        _JsonFormatter() if json_logs
+        _JsonFormatter()
+        if json_logs
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     root = logging.getLogger()

@@ -49,21 +49,28 @@ def build_app(settings: WorkerSettings) -> faust.App:
         producer_acks=-1,
     )
     usage = app.topic(
-        settings.topic("usage"), value_serializer="raw", key_serializer="raw",
+        settings.topic("usage"),
+        value_serializer="raw",
+        key_serializer="raw",
         partitions=settings.partitions,
     )
     # Repartitioned by budget key, so each key's state lives in exactly one partition.
     keyed = app.topic(
-        settings.keyed_topic, key_type=str,
-        value_serializer="json", partitions=settings.partitions,
+        settings.keyed_topic,
+        key_type=str,
+        value_serializer="json",
+        partitions=settings.partitions,
     )
     dlq = app.topic(settings.topic("dlq"), value_serializer="raw", key_serializer="raw")
     table = app.Table(
-        "keystate", partitions=settings.partitions, key_type=str,
+        "keystate",
+        partitions=settings.partitions,
+        key_type=str,
     )
     book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"))
-    materializer = RedisMaterializer(aioredis.Redis.from_url(settings.redis_url),
-                                     settings.redis_prefix)
+    materializer = RedisMaterializer(
+        aioredis.Redis.from_url(settings.redis_url), settings.redis_prefix
+    )
     published = {"version": -1}
 
     def horizon_ms() -> int:
@@ -75,11 +82,11 @@ def build_app(settings: WorkerSettings) -> faust.App:
         logger.warning("dead-lettered a usage record: %s", reason)
         await dlq.send(value=dlq_record(reason, raw))
 
-    @app.task
+    @app.task  # type: ignore[untyped-decorator]
     async def policy_tail() -> None:
         await book.run()
 
-    @app.timer(interval=0.5)
+    @app.timer(interval=0.5)  # type: ignore[untyped-decorator]
     async def publish_policies() -> None:
         if book.ready.is_set() and book.version != published["version"]:
             await materializer.write_policies(book.policies.values())

@@ -142,9 +142,7 @@ def _prune(state: KeyState, window_ms: int, bucket_ms: int, horizon_ms: int) -> 
     forget = state.high_ms - horizon_ms
     state.seen = {k: v for k, v in state.seen.items() if v > forget}
     state.settled = {k: v for k, v in state.settled.items() if v > forget}
-    state.reservations = {
-        k: v for k, v in state.reservations.items() if v[0] + bucket_ms > oldest
-    }
+    state.reservations = {k: v for k, v in state.reservations.items() if v[0] + bucket_ms > oldest}
     return dropped
 
 

@@ -42,8 +42,7 @@ class RedisMaterializer:
         pkey = policies_key(self.prefix)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(pkey)
-            mapping = {p.id: p.model_dump_json() for p in policies}
-            if mapping:
-                pipe.hset(pkey, mapping=mapping)
+            for policy in policies:
+                pipe.hset(pkey, policy.id, policy.model_dump_json())
             pipe.incr(policies_version_key(self.prefix))
             await pipe.execute()

@@ -27,8 +27,10 @@ def load_policies(path: Path) -> list[Policy]:
             the policy and the field).
     """
     try:
-        raw = yaml.safe_load(path.read_text()) if path.suffix in {".yaml", ".yml"} else (
-            json.loads(path.read_text())
+        raw = (
+            yaml.safe_load(path.read_text())
+            if path.suffix in {".yaml", ".yml"}
+            else (json.loads(path.read_text()))
         )
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise PolicyError(f"{path}: not valid YAML/JSON: {exc}") from exc
@@ -48,11 +50,13 @@ def load_policies(path: Path) -> list[Policy]:
 async def publish_policies(settings: WorkerSettings, policies: list[Policy]) -> None:
     """Write policies to the compacted policies topic (key = policy id)."""
     await ensure_topics(settings)
-    async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap,
-                                enable_idempotence=True) as producer:
+    async with AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True
+    ) as producer:
         for p in policies:
-            await producer.send_and_wait(settings.topic("policies"), p.model_dump_json().encode(),
-                                         key=p.id.encode())
+            await producer.send_and_wait(
+                settings.topic("policies"), p.model_dump_json().encode(), key=p.id.encode()
+            )
 
 
 def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
@@ -79,7 +83,6 @@ def delete_policy(settings: WorkerSettings, policy_id: str) -> None:
 
     async def _tombstone() -> None:
         async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap) as producer:
-            await producer.send_and_wait(settings.topic("policies"), None,
-                                         key=policy_id.encode())
+            await producer.send_and_wait(settings.topic("policies"), None, key=policy_id.encode())
 
     asyncio.run(_tombstone())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -28,10 +29,9 @@ async def ensure_topics(settings: WorkerSettings) -> None:
         existing = set(await admin.list_topics())
         missing = [t for t in wanted if t.name not in existing]
         if missing:
-            try:
+            # Another process may win the race; the topic is there either way.
+            with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass  # another process won the race; the topic is there either way
             logger.info("created topics %s", [t.name for t in missing])
     finally:
         await admin.close()

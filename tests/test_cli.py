@@ -9,9 +9,20 @@ from typer.testing import CliRunner
 
 from spendgate.cli import app
 
-COMMANDS = [[], ["dev"], ["dev", "up"], ["dev", "down"], ["dev", "status"], ["worker"],
-            ["admission"], ["policy"], ["policy", "apply"], ["policy", "list"],
-            ["policy", "delete"], ["demo"]]
+COMMANDS = [
+    [],
+    ["dev"],
+    ["dev", "up"],
+    ["dev", "down"],
+    ["dev", "status"],
+    ["worker"],
+    ["admission"],
+    ["policy"],
+    ["policy", "apply"],
+    ["policy", "list"],
+    ["policy", "delete"],
+    ["demo"],
+]
 
 
 class TestHelp:

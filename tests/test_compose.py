@@ -52,5 +52,7 @@ class TestCompose:
     def test_workers_wait_for_healthy_dependencies(self) -> None:
         for name in ("worker", "admission"):
             deps = self.services[name]["depends_on"]
-            assert deps == {"kafka": {"condition": "service_healthy"},
-                            "redis": {"condition": "service_healthy"}}
+            assert deps == {
+                "kafka": {"condition": "service_healthy"},
+                "redis": {"condition": "service_healthy"},
+            }

@@ -31,11 +31,15 @@ def _pending_total(client: redis.Redis, prefix: str, key: str) -> int:
 
 
 async def _produce(settings: WorkerSettings, events: list[CommitEvent]) -> None:
-    async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap,
-                                enable_idempotence=True) as producer:
+    async with AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True
+    ) as producer:
         for event in events:
-            await producer.send(settings.topic("usage"), event.model_dump_json().encode(),
-                                key=partition_key(event.subject))
+            await producer.send(
+                settings.topic("usage"),
+                event.model_dump_json().encode(),
+                key=partition_key(event.subject),
+            )
         await producer.flush()
 
 
@@ -48,15 +52,22 @@ async def _eventually(check: Any, timeout_s: float = 60.0) -> None:
 
 
 def _admit_body(tenant: str, tokens: int) -> dict[str, Any]:
-    return {"request_id": uuid.uuid4().hex, "subject": {"tenant": tenant, "model": "m1"},
-            "estimate": {"input_tokens": tokens}}
+    return {
+        "request_id": uuid.uuid4().hex,
+        "subject": {"tenant": tenant, "model": "m1"},
+        "estimate": {"input_tokens": tokens},
+    }
 
 
 class TestPipeline:
     async def test_commits_raise_the_window_and_an_over_limit_admit_is_refused(
-        self, worker: subprocess.Popen[bytes], worker_settings: WorkerSettings,
-        apply_policies: ApplyPolicies, policy_factory: PolicyFactory,
-        commit_factory: CommitFactory, redis_sync: redis.Redis,
+        self,
+        worker: subprocess.Popen[bytes],
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        commit_factory: CommitFactory,
+        redis_sync: redis.Redis,
         admission_client: httpx.AsyncClient,
     ) -> None:
         policy = policy_factory(limit=1000, unit="total_tokens", window="1m", bucket="5s")
@@ -92,18 +103,24 @@ class TestPipeline:
         assert "Retry-After" not in never.headers
 
     async def test_concurrent_admits_never_reserve_more_than_the_limit(
-        self, worker: subprocess.Popen[bytes], worker_settings: WorkerSettings,
-        apply_policies: ApplyPolicies, policy_factory: PolicyFactory,
-        redis_sync: redis.Redis, admission_client: httpx.AsyncClient,
+        self,
+        worker: subprocess.Popen[bytes],
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
+        admission_client: httpx.AsyncClient,
     ) -> None:
         policy = policy_factory(limit=1000, unit="input_tokens", window="1m", bucket="5s")
         await apply_policies(policy)
         key = f"{policy.id}|tenant=race"
         estimate = 30
-        answers = await asyncio.gather(*(
-            admission_client.post("/v1/admit", json=_admit_body("race", estimate))
-            for _ in range(100)
-        ))
+        answers = await asyncio.gather(
+            *(
+                admission_client.post("/v1/admit", json=_admit_body("race", estimate))
+                for _ in range(100)
+            )
+        )
         statuses = [a.status_code for a in answers]
         assert set(statuses) <= {200, 429}
         admitted = statuses.count(200)
@@ -114,8 +131,11 @@ class TestPipeline:
         assert held == admitted * estimate <= policy.limit
 
     async def test_repeated_request_id_returns_the_first_answer(
-        self, worker: subprocess.Popen[bytes], apply_policies: ApplyPolicies,
-        policy_factory: PolicyFactory, admission_client: httpx.AsyncClient,
+        self,
+        worker: subprocess.Popen[bytes],
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        admission_client: httpx.AsyncClient,
     ) -> None:
         policy = policy_factory(limit=100, unit="input_tokens")
         await apply_policies(policy)

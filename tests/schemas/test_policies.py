@@ -31,8 +31,9 @@ class TestPolicyValidation:
             ({"surprise": 1}, "surprise"),
         ],
     )
-    def test_bad_policies_are_refused_naming_the_field(self, change: dict[str, Any],
-                                                       field: str) -> None:
+    def test_bad_policies_are_refused_naming_the_field(
+        self, change: dict[str, Any], field: str
+    ) -> None:
         with pytest.raises(ValidationError) as info:
             Policy.model_validate({**VALID, **change})
         assert field in str(info.value)
@@ -45,13 +46,15 @@ class TestPolicyValidation:
 
 class TestMatching:
     def test_globs_select_and_group_by_builds_escaped_keys(self) -> None:
-        opus = Policy.model_validate({**VALID, "id": "opus", "match": {"model": "claude-opus-*"},
-                                      "group_by": ["api_key"]})
+        opus = Policy.model_validate(
+            {**VALID, "id": "opus", "match": {"model": "claude-opus-*"}, "group_by": ["api_key"]}
+        )
         every = Policy.model_validate({**VALID, "id": "all"})
         subject = Subject(model="claude-opus-4", api_key="k|1=x")
         found = targets([opus, every], subject)
         assert [(t.policy.id, t.key) for t in found] == [
-            ("all", "all"), ("opus", "opus|api_key=k%7C1%3Dx")
+            ("all", "all"),
+            ("opus", "opus|api_key=k%7C1%3Dx"),
         ]
         assert [t.policy.id for t in targets([opus, every], Subject(model="gpt"))] == ["all"]
 

@@ -252,7 +252,6 @@ class TestRetryAfter:
         if spec.boundary == "include" and all(a >= 0 for _, a in case.events):
             assert case.exact(fits_at) + extra + amount <= limit
 
-
     @given(
         st.sampled_from(BOUNDARIES),
         st.integers(1, 4),

@@ -10,11 +10,21 @@ BUCKET = 5_000
 WINDOW = 60_000
 
 
-def rec(event_id: str, kind: str = "commit", at: int = 100_000, amount: int = 10,
-        **extra: Any) -> KeyedRecord:
-    return KeyedRecord(event_id=event_id, kind=kind, policy="p", key="p|tenant=a",  # type: ignore[arg-type]
-                       occurred_ms=at, amount=amount, window_ms=WINDOW, bucket_ms=BUCKET,
-                       horizon_ms=WINDOW + 3_600_000, **extra)
+def rec(
+    event_id: str, kind: str = "commit", at: int = 100_000, amount: int = 10, **extra: Any
+) -> KeyedRecord:
+    return KeyedRecord(
+        event_id=event_id,
+        kind=kind,
+        policy="p",
+        key="p|tenant=a",  # type: ignore[arg-type]
+        occurred_ms=at,
+        amount=amount,
+        window_ms=WINDOW,
+        bucket_ms=BUCKET,
+        horizon_ms=WINDOW + 3_600_000,
+        **extra,
+    )
 
 
 def total(state: KeyState) -> int:
@@ -40,8 +50,10 @@ class TestDedupe:
 class TestReservations:
     def test_commit_replaces_the_estimate_in_the_reserve_bucket(self) -> None:
         state = KeyState()
-        apply(state, rec("r", "reserve", at=100_000, amount=50, reservation_id="x",
-                         expires_ms=200_000))
+        apply(
+            state,
+            rec("r", "reserve", at=100_000, amount=50, reservation_id="x", expires_ms=200_000),
+        )
         change = apply(state, rec("c", "commit", at=112_000, amount=20, reservation_id="x"))
         assert state.buckets == {100_000: 20}
         assert change.touched == (100_000,)
@@ -55,16 +67,21 @@ class TestReservations:
     def test_commit_before_its_reserve_settles_it(self) -> None:
         state = KeyState()
         apply(state, rec("c", "commit", amount=20, reservation_id="x"))
-        change = apply(state, rec("r", "reserve", amount=50, reservation_id="x",
-                                  expires_ms=200_000))
+        change = apply(
+            state, rec("r", "reserve", amount=50, reservation_id="x", expires_ms=200_000)
+        )
         assert total(state) == 20
         assert change.absorbed == "x"
 
     def test_a_duplicate_reserve_still_reports_the_pending_entry_absorbed(self) -> None:
         state = KeyState()
         apply(state, rec("r", "reserve", amount=50, reservation_id="x", expires_ms=200_000))
-        assert apply(state, rec("r", "reserve", amount=50, reservation_id="x",
-                                expires_ms=200_000)).absorbed == "x"
+        assert (
+            apply(
+                state, rec("r", "reserve", amount=50, reservation_id="x", expires_ms=200_000)
+            ).absorbed
+            == "x"
+        )
         assert total(state) == 50
 
 
