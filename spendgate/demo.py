@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 TENANTS: dict[str, dict[str, Any]] = {
     "acme": {"model": "claude-sonnet-4", "rate": 3, "tokens": (600, 2500)},
@@ -44,6 +45,11 @@ class Tally:
     log: list[str] = field(default_factory=list)
 
 
+def _view(tally: Tally, elapsed_s: float) -> Group:
+    """The live screen: the budget table, then the latest refusals."""
+    return Group(_table(tally, elapsed_s), *(Text.from_markup(line) for line in tally.log[-6:]))
+
+
 def _table(tally: Tally, elapsed_s: float) -> Table:
     table = Table(
         title=f"spendgate demo - {elapsed_s:4.0f}s  admitted {tally.admitted}  "
@@ -62,8 +68,6 @@ def _table(tally: Tally, elapsed_s: float) -> Table:
             "1m",
             tally.last_retry.get(key, "-"),
         )
-    for line in tally.log[-6:]:
-        table.add_row("", "", line, "", "")
     return table
 
 
@@ -127,7 +131,7 @@ async def _run(base_url: str, seconds: float) -> Tally:
     start = time.monotonic()
     pending: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
-        with Live(_table(tally, 0), refresh_per_second=4, console=Console()) as live:
+        with Live(_view(tally, 0), refresh_per_second=4, console=Console()) as live:
             while (elapsed := time.monotonic() - start) < seconds:
                 for tenant, spec in TENANTS.items():
                     burst = 4 if tenant == "acme" and int(elapsed) % 10 == 0 else 1
@@ -135,11 +139,11 @@ async def _run(base_url: str, seconds: float) -> Tally:
                         task = asyncio.create_task(_one_request(http, tenant, tally))
                         pending.add(task)
                         task.add_done_callback(pending.discard)
-                live.update(_table(tally, elapsed))
+                live.update(_view(tally, elapsed))
                 await asyncio.sleep(0.1)
             if pending:
                 await asyncio.gather(*pending)
-            live.update(_table(tally, time.monotonic() - start))
+            live.update(_view(tally, time.monotonic() - start))
     return tally
 
 
