@@ -173,38 +173,30 @@ def create_app(store: BudgetStore, publisher: UsagePublisher, lifespan: Any = No
         DECISIONS.labels(decision="allow").inc()
         return JSONResponse(decision.model_dump(mode="json", exclude_none=True), 200, headers)
 
-    async def _subject(reservation_id: str) -> Subject:
+    async def _settle(reservation_id: str, usage: Usage | None) -> dict[str, str]:
+        """Publish the commit (with usage) or release (without) of an open reservation."""
         raw = await store.client.get(reservation_key(store.prefix, reservation_id))
         if raw is None:
             raise UnknownReservation(f"no open reservation {reservation_id!r}", "reservation_id")
-        return Subject.model_validate_json(raw)
+        common: dict[str, Any] = {
+            "subject": Subject.model_validate_json(raw),
+            "occurred_at": datetime.now(UTC),
+            "reservation_id": reservation_id,
+        }
+        publisher.publish(
+            CommitEvent(event_id=f"commit-{reservation_id}", usage=usage, **common)
+            if usage is not None
+            else ReleaseEvent(event_id=f"release-{reservation_id}", **common)
+        )
+        return {"status": "accepted"}
 
     @app.post("/v1/commit", status_code=202)
     async def commit(body: CommitRequest) -> dict[str, str]:
-        subject = await _subject(body.reservation_id)
-        publisher.publish(
-            CommitEvent(
-                event_id=f"commit-{body.reservation_id}",
-                subject=subject,
-                occurred_at=datetime.now(UTC),
-                reservation_id=body.reservation_id,
-                usage=body.usage,
-            )
-        )
-        return {"status": "accepted"}
+        return await _settle(body.reservation_id, body.usage)
 
     @app.post("/v1/release", status_code=202)
     async def release(body: ReleaseRequest) -> dict[str, str]:
-        subject = await _subject(body.reservation_id)
-        publisher.publish(
-            ReleaseEvent(
-                event_id=f"release-{body.reservation_id}",
-                subject=subject,
-                occurred_at=datetime.now(UTC),
-                reservation_id=body.reservation_id,
-            )
-        )
-        return {"status": "accepted"}
+        return await _settle(body.reservation_id, None)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

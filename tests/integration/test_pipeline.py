@@ -146,3 +146,35 @@ class TestPipeline:
         assert first.json()["reservation_id"] == again.json()["reservation_id"]
         other = await admission_client.post("/v1/admit", json=_admit_body("idem", 60))
         assert other.status_code == 429
+
+    async def test_commit_replaces_and_release_frees_the_reservation(
+        self,
+        worker: subprocess.Popen[bytes],
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
+        admission_client: httpx.AsyncClient,
+    ) -> None:
+        policy = policy_factory(limit=1000, unit="input_tokens")
+        await apply_policies(policy)
+        key, prefix = f"{policy.id}|tenant=settle", worker_settings.redis_prefix
+        kept = (await admission_client.post("/v1/admit", json=_admit_body("settle", 300))).json()
+        freed = (await admission_client.post("/v1/admit", json=_admit_body("settle", 200))).json()
+        committed = await admission_client.post(
+            "/v1/commit",
+            json={"reservation_id": kept["reservation_id"], "usage": {"input_tokens": 120}},
+        )
+        released = await admission_client.post(
+            "/v1/release", json={"reservation_id": freed["reservation_id"]}
+        )
+        assert committed.status_code == released.status_code == 202
+        await _eventually(
+            lambda: (
+                _pending_total(redis_sync, prefix, key) == 0
+                and _window_total(redis_sync, prefix, key) == 120
+            )
+        )
+        unknown = await admission_client.post("/v1/release", json={"reservation_id": "nope"})
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["field"] == "reservation_id"
