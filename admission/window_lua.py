@@ -32,11 +32,13 @@ local function window_mod(x, m)
   return r
 end
 
--- Exact ceil(x * k / b) for integers |x| < 2^53, 0 <= k < b < 2^32, b even.
--- x = q*b + rm; rm*k is split as rm*(kh*2^20 + kl) so no product exceeds 2^53.
+-- Exact ceil(x * k / b) for integers |x| < 2^53, 0 <= k < b < 2^32.
+-- Works on |x| = q*b + rm so that q*k <= |x| * k / b stays below 2^53, and splits
+-- rm*k as rm*(kh*2^20 + kl) so that no product reaches 2^53.
 local function window_ceil_muldiv(x, k, b)
-  local rm = window_mod(x, b)
-  local q = (x - rm) / b
+  local ax = math.abs(x)
+  local rm = math.fmod(ax, b)
+  local q = (ax - rm) / b
   local kl = math.fmod(k, 1048576)
   local kh = (k - kl) / 1048576
   local a = rm * kh
@@ -44,9 +46,10 @@ local function window_ceil_muldiv(x, k, b)
   local a1 = (a - a0) / b
   local rest = a0 * 1048576 + rm * kl
   local r0 = math.fmod(rest, b)
-  local c = a1 * 1048576 + (rest - r0) / b
-  if r0 > 0 then c = c + 1 end
-  return q * k + c
+  local floor_part = q * k + a1 * 1048576 + (rest - r0) / b  -- floor(|x| * k / b)
+  if x < 0 then return -floor_part end
+  if r0 > 0 then return floor_part + 1 end
+  return floor_part
 end
 
 local function window_check_boundary(boundary)
@@ -67,24 +70,34 @@ local function window_decode(raw, bucket_ms)
     error('spendgate window state: stored bucket_ms ' .. tostring(stored_ms)
       .. ' differs from ' .. tostring(bucket_ms))
   end
+  -- Unpacked up to 128 entries per call: one struct.unpack per entry costs twice as much.
+  local done = 0
   if kind == 1 then
-    local amount
-    for i = 0, count - 1 do
-      amount, pos = struct.unpack('<i8', raw, pos)
-      if amount ~= 0 then
-        n = n + 1
-        starts[n] = base + i * stored_ms
-        amounts[n] = amount
+    while done < count do
+      local m = math.min(count - done, 128)
+      local values = {struct.unpack('<' .. string.rep('i8', m), raw, pos)}
+      pos = values[m + 1]
+      for j = 1, m do
+        if values[j] ~= 0 then
+          n = n + 1
+          starts[n] = base + (done + j - 1) * stored_ms
+          amounts[n] = values[j]
+        end
       end
+      done = done + m
     end
   elseif kind == 0 then
-    local offset, amount
-    for i = 1, count do
-      offset, amount, pos = struct.unpack('<I4i8', raw, pos)
-      starts[i] = base + offset * stored_ms
-      amounts[i] = amount
+    while done < count do
+      local m = math.min(count - done, 128)
+      local values = {struct.unpack('<' .. string.rep('I4i8', m), raw, pos)}
+      pos = values[2 * m + 1]
+      for j = 1, m do
+        n = n + 1
+        starts[n] = base + values[2 * j - 1] * stored_ms
+        amounts[n] = values[2 * j]
+      end
+      done = done + m
     end
-    n = count
   else
     error('spendgate window state: unknown kind ' .. tostring(kind))
   end
@@ -130,7 +143,7 @@ local function window_earliest_offset(boundary, edge, slack, r_lo, bucket_ms)
   end
   local k_hi = last - r_lo
   if window_ceil_muldiv(edge, k_hi, bucket_ms) <= slack then return r_lo end
-  if edge < 0 or slack < 0 then return nil end
+  if slack < 0 then return nil end  -- and a negative edge fitted above if at all
   -- The share grows with the overlap k: find the largest k whose share fits.
   local lo, hi = 0, k_hi
   while hi - lo > 1 do
@@ -144,6 +157,10 @@ local function window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms
                                   limit, extra, amount)
   window_check_boundary(boundary)
   if amount > limit then return nil, true end
+  if window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) + extra + amount
+      <= limit then
+    return t_ms, false
+  end
   local head = t_ms - window_mod(t_ms, bucket_ms)
   local periods, np = {head}, 1
   local by_start = {}

@@ -1,0 +1,228 @@
+"""The Lua window engine, run in a real Redis, against the Python engine."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from admission.window_lua import WINDOW_CHECK_SCRIPT, WINDOW_LUA_LIB
+from schemas.window_codec import encode
+from schemas.windows import (
+    BOUNDARIES,
+    MAX_BUCKET_MS,
+    Buckets,
+    WindowSpec,
+    add,
+    retry_after,
+    total,
+)
+
+pytestmark = pytest.mark.integration
+
+SEED = 20_240_611
+CASES = 4_000
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine query: spec, state, time and request."""
+
+    spec: WindowSpec
+    buckets: Buckets
+    t_ms: int
+    limit: int
+    extra: int
+    amount: int
+
+    def python(self) -> list[int]:
+        answer = retry_after(
+            self.spec,
+            self.buckets,
+            self.t_ms,
+            limit=self.limit,
+            amount=self.amount,
+            extra=self.extra,
+        )
+        fits_at = -1 if answer.fits_at_ms is None else answer.fits_at_ms
+        return [total(self.spec, self.buckets, self.t_ms), fits_at, int(answer.never_fits)]
+
+    def argv(self) -> list[int | str]:
+        spec = self.spec
+        return [
+            self.t_ms,
+            spec.window_ms,
+            spec.bucket_ms,
+            spec.boundary,
+            self.limit,
+            self.extra,
+            self.amount,
+        ]
+
+
+def random_case(rng: random.Random) -> Case:
+    """Small windows mostly; sometimes wide buckets, epoch-scale times, huge amounts."""
+    if rng.random() < 0.8:
+        bucket_ms = rng.randint(1, 5) * 1000
+        spec_buckets = rng.randint(1, 20)
+    else:
+        bucket_ms = rng.choice([60_000, 3_600_000, 86_400_000, 7 * 86_400_000, MAX_BUCKET_MS])
+        spec_buckets = rng.randint(1, 3 if bucket_ms > 86_400_000 else 40)
+    spec = WindowSpec(spec_buckets * bucket_ms, bucket_ms, rng.choice(BOUNDARIES))
+    origin = rng.choice([0, rng.randrange(0, 2**42)])
+    span_ms = 3 * spec.window_ms
+    huge = rng.random() < 0.25
+    signed = rng.random() < 0.5
+    scale = 2**48 if huge else 1000
+    buckets: Buckets = {}
+    for _ in range(rng.randint(0, 25)):
+        amount = rng.randint(-scale if signed else 0, scale)
+        add(spec, buckets, origin + rng.randint(0, span_ms), amount)
+    t_ms = origin + rng.randint(-bucket_ms, span_ms + spec.window_ms + 2 * bucket_ms)
+    if rng.random() < 0.4:  # a bucket edge: r = bucket_ms - 1, 0 or 1
+        t_ms = max(0, t_ms - t_ms % bucket_ms + rng.choice([-1, 0, 1]))
+    t_ms = max(0, t_ms)
+    amount = rng.randint(0, scale)
+    extra = rng.randint(0, scale // 2)
+    now = total(spec, buckets, t_ms)
+    if rng.random() < 0.3:
+        limit = rng.randint(0, 4 * scale)
+    else:  # short of the limit by part of the current total: fits only later
+        limit = max(0, now + extra + amount - rng.randint(1, max(1, abs(now))))
+    return Case(spec, buckets, t_ms, limit, extra, amount)
+
+
+def dense_day_case(rng: random.Random) -> Case:
+    """A full 24 h window of 1 min buckets with large amounts: the dense layout."""
+    spec = WindowSpec(86_400_000, 60_000, rng.choice(BOUNDARIES))
+    t_ms = 1_700_000_000_000 + rng.randrange(0, 60_000)
+    buckets: Buckets = {}
+    for minute in range(1441):
+        add(spec, buckets, t_ms - minute * 60_000, rng.randint(0, 2**42))
+    now = total(spec, buckets, t_ms)
+    amount = rng.randint(0, 2**42)
+    limit = max(amount, now + amount - rng.randint(1, now))
+    return Case(spec, buckets, t_ms, limit, 0, amount)
+
+
+def sparse_day_case(rng: random.Random) -> Case:
+    """A 24 h window with a few hundred scattered minutes: the sparse layout, many chunks."""
+    spec = WindowSpec(86_400_000, 60_000, rng.choice(BOUNDARIES))
+    t_ms = 1_700_000_000_000 + rng.randrange(0, 60_000)
+    buckets: Buckets = {}
+    for minute in rng.sample(range(1441), rng.randint(129, 400)):
+        add(spec, buckets, t_ms - minute * 60_000, rng.randint(-(2**40), 2**42))
+    assert encode(buckets, spec.bucket_ms)[1] == 0  # sparse
+    amount = rng.randint(0, 2**42)
+    return Case(spec, buckets, t_ms, rng.randint(amount, 2**50), rng.randint(0, 2**40), amount)
+
+
+def run_lua(client: redis.Redis, key_prefix: str, cases: list[Case]) -> list[list[int]]:
+    script = client.register_script(WINDOW_CHECK_SCRIPT)
+    results: list[list[int]] = []
+    for first in range(0, len(cases), BATCH):
+        pipe = client.pipeline(transaction=False)
+        for index, case in enumerate(cases[first : first + BATCH], start=first):
+            key = f"{key_prefix}w{index}"
+            pipe.set(key, encode(case.buckets, case.spec.bucket_ms))
+            script(keys=[key], args=case.argv(), client=pipe)
+        replies = pipe.execute()
+        results.extend(replies[1::2])
+    return results
+
+
+class TestWindowLuaLib:
+    def test_lib_reads_no_keys_or_argv_and_defines_only_locals(self) -> None:
+        assert "KEYS" not in WINDOW_LUA_LIB
+        assert "ARGV" not in WINDOW_LUA_LIB
+        for line in WINDOW_LUA_LIB.splitlines():
+            if line.startswith("function") or re.match(r"^[A-Za-z_]\w*\s*=", line):
+                pytest.fail(f"global definition in WINDOW_LUA_LIB: {line!r}")
+
+    def test_missing_key_is_an_empty_state(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+        reply = script(
+            keys=[f"{key_prefix}absent"], args=[65_000, 60_000, 10_000, "include", 10, 0, 3]
+        )
+        assert reply == [0, 65_000, 0]
+
+    def test_never_fits(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+        reply = script(keys=[f"{key_prefix}absent"], args=[0, 60_000, 10_000, "prorate", 10, 0, 11])
+        assert reply == [0, -1, 1]
+
+    def test_bucket_mismatch_is_an_error(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+        key = f"{key_prefix}w"
+        redis_sync.set(key, encode({0: 1}, 10_000))
+        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+        with pytest.raises(redis.ResponseError, match="bucket_ms"):
+            script(keys=[key], args=[0, 60_000, 5_000, "include", 10, 0, 1])
+
+    def test_unknown_boundary_is_an_error(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+        with pytest.raises(redis.ResponseError, match="unknown boundary"):
+            script(keys=[f"{key_prefix}absent"], args=[0, 60_000, 10_000, "half", 10, 0, 1])
+
+
+MULDIV_SCRIPT = (
+    WINDOW_LUA_LIB
+    + """
+local out = {}
+for i = 1, #ARGV, 3 do
+  out[#out + 1] = window_ceil_muldiv(tonumber(ARGV[i]), tonumber(ARGV[i + 1]),
+    tonumber(ARGV[i + 2]))
+end
+return out
+"""
+)
+
+
+def muldiv_cases(rng: random.Random) -> list[tuple[int, int, int]]:
+    """Extremes, remainders of exactly 1 and b - 1, and random triples."""
+    top = 2**53 - 1
+    cases: list[tuple[int, int, int]] = []
+    for bucket_ms in (1_000, 60_000, 86_400_000, MAX_BUCKET_MS):
+        for x in (top, -top, top - 1, -(top - 1), 1, -1, 0, bucket_ms, -bucket_ms):
+            for k in (0, 1, bucket_ms // 2, bucket_ms - 1):
+                cases.append((x, k, bucket_ms))
+        for _ in range(200):
+            k = rng.randrange(1, bucket_ms) | 1
+            while math.gcd(k, bucket_ms) != 1:
+                k = rng.randrange(1, bucket_ms) | 1
+            inverse = pow(k, -1, bucket_ms)  # x * k = 1 (mod bucket_ms)
+            x = inverse + bucket_ms * rng.randrange(0, (top - inverse) // bucket_ms)
+            cases += [(x, k, bucket_ms), (-x, k, bucket_ms)]
+            cases.append((rng.randint(-top, top), rng.randrange(0, bucket_ms), bucket_ms))
+    return cases
+
+
+class TestExactArithmetic:
+    def test_prorated_share_is_exact_at_the_limits(self, redis_sync: redis.Redis) -> None:
+        script = redis_sync.register_script(MULDIV_SCRIPT)
+        cases = muldiv_cases(random.Random(SEED))
+        for first in range(0, len(cases), 300):
+            chunk = cases[first : first + 300]
+            got = script(keys=[], args=[value for triple in chunk for value in triple])
+            expected = [-((-x * k) // b) for x, k, b in chunk]
+            assert got == expected
+
+
+class TestLuaMatchesPython:
+    def test_random_cases(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+        rng = random.Random(SEED)
+        cases = [random_case(rng) for _ in range(CASES)]
+        lua = run_lua(redis_sync, key_prefix, cases)
+        for case, got in zip(cases, lua, strict=True):
+            assert got == case.python(), case
+
+    def test_full_day_windows(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+        rng = random.Random(SEED + 1)
+        cases = [dense_day_case(rng) for _ in range(30)] + [sparse_day_case(rng) for _ in range(30)]
+        lua = run_lua(redis_sync, key_prefix, cases)
+        for case, got in zip(cases, lua, strict=True):
+            assert got == case.python(), (case.spec, case.t_ms, case.limit, case.amount)

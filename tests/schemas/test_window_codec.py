@@ -1,0 +1,149 @@
+"""Tests of the compact window-state layout."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas.window_codec import (
+    HEADER_SIZE,
+    KIND_DENSE,
+    KIND_SPARSE,
+    MAX_SAFE_AMOUNT,
+    DecodedState,
+    decode,
+    encode,
+)
+
+# Example counts come from the hypothesis profiles in tests/conftest.py (ci: 2000).
+
+MINUTE = 60_000
+NOW = 1_700_000_040_000  # a whole minute
+
+
+class TestLayout:
+    def test_empty_is_a_bare_header(self) -> None:
+        data = encode({}, MINUTE)
+        assert data == struct.pack("<BBIqI", 1, KIND_SPARSE, MINUTE, 0, 0)
+        assert len(data) == HEADER_SIZE == 18
+        assert decode(data) == DecodedState(MINUTE, {})
+
+    def test_sparse_bytes(self) -> None:
+        data = encode({NOW: 5, NOW + 10 * MINUTE: -2}, MINUTE)
+        assert data == (
+            struct.pack("<BBIqI", 1, KIND_SPARSE, MINUTE, NOW, 2)
+            + struct.pack("<Iq", 0, 5)
+            + struct.pack("<Iq", 10, -2)
+        )
+
+    def test_dense_bytes(self) -> None:
+        data = encode({NOW: 5, NOW + MINUTE: 6, NOW + 2 * MINUTE: 7}, MINUTE)
+        assert data == struct.pack("<BBIqI3q", 1, KIND_DENSE, MINUTE, NOW, 3, 5, 6, 7)
+
+    def test_zero_amounts_are_skipped(self) -> None:
+        assert decode(encode({NOW: 0, NOW + MINUTE: 3}, MINUTE)).buckets == {NOW + MINUTE: 3}
+
+
+class TestSize:
+    def test_dense_day_of_minutes(self) -> None:
+        buckets = {NOW + i * MINUTE: 1_000_000 + i for i in range(1440)}
+        data = encode(buckets, MINUTE)
+        assert data[1] == KIND_DENSE
+        assert len(data) == 11_538 <= 16 * 1024
+        assert decode(data).buckets == buckets
+
+    def test_sparse_sixty_buckets_across_a_day(self) -> None:
+        buckets = {NOW + i * 24 * MINUTE: 123_456_789 for i in range(60)}
+        data = encode(buckets, MINUTE)
+        assert data[1] == KIND_SPARSE
+        assert len(data) == 738 <= 2 * 1024
+        assert decode(data).buckets == buckets
+
+    @pytest.mark.parametrize("count", [1, 2, 10, 60, 500, 1441])
+    def test_grows_with_non_empty_buckets_not_with_span(self, count: int) -> None:
+        spread = {NOW + i * 1440 * MINUTE // count: 1 for i in range(count)}
+        spread = {start - start % MINUTE: amount for start, amount in spread.items()}
+        assert len(encode(spread, MINUTE)) <= HEADER_SIZE + 12 * count
+
+
+class TestValidation:
+    def test_amount_over_two_to_the_53(self) -> None:
+        with pytest.raises(ValueError, match="2\\*\\*53"):
+            encode({NOW: MAX_SAFE_AMOUNT + 1}, MINUTE)
+
+    def test_sum_over_two_to_the_53(self) -> None:
+        with pytest.raises(ValueError, match="2\\*\\*53"):
+            encode(
+                {NOW: MAX_SAFE_AMOUNT // 2 + 1, NOW + MINUTE: -(MAX_SAFE_AMOUNT // 2 + 1)}, MINUTE
+            )
+
+    def test_largest_safe_amount(self) -> None:
+        buckets = {NOW: -MAX_SAFE_AMOUNT}
+        assert decode(encode(buckets, MINUTE)).buckets == buckets
+
+    @pytest.mark.parametrize("start", [NOW + 1, -MINUTE])
+    def test_misaligned_or_negative_start(self, start: int) -> None:
+        with pytest.raises(ValueError, match="non-negative multiple of bucket_ms"):
+            encode({start: 1}, MINUTE)
+
+    @pytest.mark.parametrize("bucket_ms", [0, 2**32])
+    def test_bucket_ms_must_fit_u32(self, bucket_ms: int) -> None:
+        with pytest.raises(ValueError, match="bucket_ms"):
+            encode({}, bucket_ms)
+
+    def test_span_too_wide(self) -> None:
+        with pytest.raises(ValueError, match="too wide"):
+            encode({0: 1, 2**32 * 1000: 1}, 1000)
+
+    @pytest.mark.parametrize(
+        ("data", "message"),
+        [
+            (b"", "shorter than the header"),
+            (struct.pack("<BBIqI", 2, 0, MINUTE, 0, 0), "unknown format version 2"),
+            (struct.pack("<BBIqI", 1, 7, MINUTE, 0, 0), "unknown kind 7"),
+            (struct.pack("<BBIqI", 1, 0, 0, 0, 0), "bucket_ms is 0"),
+            (struct.pack("<BBIqI", 1, 0, MINUTE, 0, 1), "sparse body of 0 bytes"),
+            (struct.pack("<BBIqI", 1, 1, MINUTE, 0, 2) + b"\0" * 8, "dense body of 8 bytes"),
+            (struct.pack("<BBIqI", 1, 0, MINUTE, 0, 0) + b"\0", "sparse body of 1 bytes"),
+            (
+                struct.pack("<BBIqIIqIq", 1, 0, MINUTE, 0, 2, 3, 1, 3, 1),
+                "offsets must increase",
+            ),
+            (struct.pack("<BBIqIIq", 1, 0, MINUTE, 0, 1, 3, 0), "non-zero"),
+        ],
+    )
+    def test_decode_rejects_corrupt_values(self, data: bytes, message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            decode(data)
+
+
+_BUCKET_MS = st.sampled_from([1_000, 5_000, MINUTE, 3_600_000, 86_400_000])
+_AMOUNTS = st.integers(-(2**40), 2**40).filter(bool)
+
+
+class TestRoundTrip:
+    @given(
+        _BUCKET_MS,
+        st.integers(0, 2**41),
+        st.dictionaries(st.integers(0, 3000), _AMOUNTS, max_size=80),
+    )
+    def test_round_trip(self, bucket_ms: int, origin_ms: int, slots: dict[int, int]) -> None:
+        base = origin_ms - origin_ms % bucket_ms
+        buckets = {base + slot * bucket_ms: amount for slot, amount in slots.items()}
+        data = encode(buckets, bucket_ms)
+        assert decode(data) == DecodedState(bucket_ms, buckets)
+        # Never bigger than the sparse form.
+        assert len(data) <= HEADER_SIZE + 12 * len(buckets)
+
+    @given(st.integers(1, 1440), st.integers(0, 2**32))
+    def test_never_over_a_dense_full_day(self, count: int, seed: int) -> None:
+        rng = random.Random(seed)  # cheaper than drawing up to 1440 slots through hypothesis
+        slots = rng.sample(range(1440), count)
+        buckets = {NOW + slot * MINUTE: rng.randint(1, 2**40) for slot in slots}
+        data = encode(buckets, MINUTE)
+        assert len(data) <= HEADER_SIZE + 8 * 1440
+        assert decode(data).buckets == buckets
