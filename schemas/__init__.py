@@ -1,7 +1,9 @@
-"""The shared kernel: event, policy and decision models, matching, units, windows."""
+"""The shared kernel: event, policy, price and decision models, matching, units, windows."""
 
 from __future__ import annotations
 
+from schemas.alerts import Alert, AlertKind, alert_id
+from schemas.deadletter import DeadLetter, dead_letter
 from schemas.decisions import AdmitRequest, BudgetStatus, Decision
 from schemas.events import (
     AdjustEvent,
@@ -21,34 +23,47 @@ from schemas.exceptions import (
     PolicyError,
     SpendgateError,
     UnitError,
+    UnpricedModel,
 )
 from schemas.matching import BudgetTarget, budget_key, matches, targets
-from schemas.policies import Policy
+from schemas.policies import Policy, validate_against_catalog
+from schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
 from schemas.units import amount
 
 __all__ = [
     "AdjustEvent",
     "AdmitRequest",
+    "Alert",
+    "AlertKind",
     "BudgetStatus",
     "BudgetTarget",
     "CommitEvent",
     "ConfigurationError",
+    "DeadLetter",
     "Decision",
     "MissingGroupByField",
+    "ModelPrice",
     "Policy",
     "PolicyError",
+    "PriceCatalog",
     "ReleaseEvent",
     "ReserveEvent",
     "SignedUsage",
     "SpendgateError",
     "Subject",
     "UnitError",
+    "UnpricedModel",
     "Usage",
     "UsageEvent",
+    "alert_id",
     "amount",
     "budget_key",
+    "cost_micros",
+    "dead_letter",
+    "load_catalog",
     "matches",
     "parse_event",
     "partition_key",
     "targets",
+    "validate_against_catalog",
 ]

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.events import Subject, Usage
-from schemas.types import Identifier, Unit
+from schemas.types import Amount, Identifier, Unit
 
 
 class AdmitRequest(BaseModel):
@@ -37,13 +37,17 @@ class BudgetStatus(BaseModel):
 
 
 class Decision(BaseModel):
-    """The answer to an admit: ``allow`` (200) or ``reject`` (429)."""
+    """The answer to an admit: ``reject`` is a 429, every other decision a 200.
+
+    ``max_output_tokens`` is set with ``cap``: the reduced output the caller must honour.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     decision: Literal["allow", "cap", "downgrade", "observe_reject", "reject"]
     reservation_id: str | None = None
     model: str | None = None
+    max_output_tokens: Amount | None = None
     violated: list[str] = Field(default_factory=list)
     retry_after_seconds: int | None = None
     never_fits: bool = False

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    model_validator,
+)
 
-from schemas.types import Amount, Identifier, SignedAmount, SubjectValue
+from schemas.types import Amount, Identifier, SignedAmount, SubjectValue, epoch_ms
+
+
+def _to_utc(value: datetime) -> datetime:
+    return value.astimezone(UTC)
+
+
+#: An RFC 3339 instant with an offset (naive times are refused), normalized to UTC.
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
 
 
 class _Frozen(BaseModel):
@@ -60,17 +76,12 @@ class _Event(_Frozen):
     schema_version: Literal[1] = 1
     event_id: Identifier
     subject: Subject
-    occurred_at: AwareDatetime
-
-    @field_validator("occurred_at")
-    @classmethod
-    def _utc(cls, value: datetime) -> datetime:
-        return value.astimezone(UTC)
+    occurred_at: UtcDatetime
 
     @property
     def occurred_ms(self) -> int:
-        """``occurred_at`` in integer milliseconds since the epoch."""
-        return int(self.occurred_at.timestamp() * 1000)
+        """``occurred_at`` in integer milliseconds since the epoch (exact, floored)."""
+        return epoch_ms(self.occurred_at)
 
 
 class ReserveEvent(_Event):
@@ -79,7 +90,18 @@ class ReserveEvent(_Event):
     kind: Literal["reserve"] = "reserve"
     reservation_id: Identifier
     usage: Usage
-    expires_at: AwareDatetime
+    expires_at: UtcDatetime
+
+    @property
+    def expires_ms(self) -> int:
+        """``expires_at`` in integer milliseconds since the epoch (exact, floored)."""
+        return epoch_ms(self.expires_at)
+
+    @model_validator(mode="after")
+    def _expires_later(self) -> Self:
+        if self.expires_at <= self.occurred_at:
+            raise ValueError("expires_at: must be later than occurred_at")
+        return self
 
 
 class CommitEvent(_Event):

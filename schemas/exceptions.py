@@ -7,6 +7,7 @@ Tree::
     ├── PolicyError             a policy cannot be applied or used
     │   └── MissingGroupByField a request lacks a field that a policy groups by
     └── UnitError               usage cannot be turned into a policy's unit
+        └── UnpricedModel       a cost_usd policy met a model with no price
 """
 
 from __future__ import annotations
@@ -39,3 +40,16 @@ class MissingGroupByField(PolicyError):
 
 class UnitError(SpendgateError):
     """Usage cannot be converted to a policy's unit (for example an unpriced model)."""
+
+
+class UnpricedModel(UnitError):
+    """A ``cost_usd`` policy met a model with no price: add it to the price catalog."""
+
+    def __init__(self, policy_id: str, model: str | None) -> None:
+        shown = repr(model) if model is not None else "(none: the subject has no model)"
+        super().__init__(
+            f"policy {policy_id!r} counts cost_usd and model {shown} has no price "
+            "(policy unpriced: reject)"
+        )
+        self.policy_id = policy_id
+        self.model = model

@@ -20,7 +20,16 @@ class BudgetTarget:
 
 
 def matches(policy: Policy, subject: Subject) -> bool:
-    """True when every ``match`` entry selects the subject (exact value or glob)."""
+    """Return whether every ``match`` entry selects the subject.
+
+    Args:
+        policy: the policy.
+        subject: the subject.
+
+    Returns:
+        True when each matched field is present and equals the value or fits the glob
+        (case-sensitive); ``{}`` matches every subject.
+    """
     for field, pattern in policy.match.items():
         value = subject.value(field)
         if value is None or not fnmatchcase(value, pattern):
@@ -29,7 +38,8 @@ def matches(policy: Policy, subject: Subject) -> bool:
 
 
 def _escape(value: str) -> str:
-    # Percent-encode the key's own separators so no subject value can address another key.
+    # Percent-encode the key's own separators (and the escape character itself) so no
+    # policy id, field name or subject value can address another key.
     return (
         value.replace("%", "%25")
         .replace("|", "%7C")
@@ -42,6 +52,18 @@ def _escape(value: str) -> str:
 def budget_key(policy: Policy, subject: Subject) -> str:
     """The readable, collision-free key ``policy|field=value|...`` of ``group_by`` values.
 
+    The policy id, each field name (``labels.NAME`` may hold any character) and each
+    value are escaped: ``%`` ``|`` ``=`` ``{`` ``}`` become ``%25`` ``%7C`` ``%3D``
+    ``%7B`` ``%7D``. Braces are escaped so no value can inject a Redis Cluster hash tag.
+    For one policy, different value tuples therefore always give different keys.
+
+    Args:
+        policy: the policy.
+        subject: the subject the request is for.
+
+    Returns:
+        The budget key, for example ``acme-daily|api_key=k1``.
+
     Raises:
         MissingGroupByField: the subject lacks a field the policy groups by.
     """
@@ -50,12 +72,19 @@ def budget_key(policy: Policy, subject: Subject) -> str:
         value = subject.value(field)
         if value is None:
             raise MissingGroupByField(policy.id, field)
-        parts.append(f"{field}={_escape(value)}")
+        parts.append(f"{_escape(field)}={_escape(value)}")
     return "|".join(parts)
 
 
 def targets(policies: Iterable[Policy], subject: Subject) -> list[BudgetTarget]:
-    """Every policy matching ``subject`` with its budget key, sorted by policy id.
+    """Return every policy matching ``subject`` with its budget key, sorted by policy id.
+
+    Args:
+        policies: the policies in force.
+        subject: the subject the request is for.
+
+    Returns:
+        The budget targets, one per matching policy.
 
     Raises:
         MissingGroupByField: a matching policy groups by a field the subject lacks.

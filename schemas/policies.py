@@ -2,49 +2,80 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Self
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from schemas.exceptions import PolicyError
 from schemas.types import (
-    SUBJECT_FIELDS,
+    MAX_AMOUNT,
     Boundary,
     Duration,
     FailureMode,
     Mode,
     OnExceed,
     PolicyId,
+    SubjectFieldName,
+    SubjectValue,
     Unit,
+    Unpriced,
     parse_duration_ms,
 )
 
+if TYPE_CHECKING:
+    from schemas.prices import PriceCatalog
+
 _MIN_WINDOW_MS = 30_000
 _MAX_WINDOW_MS = 31 * 86_400_000
+_MIN_TTL_MS = 1_000
+_MAX_TTL_MS = 86_400_000
+_GLOB_CHARS = frozenset("*?[")
 
-Threshold = Annotated[float, Field(gt=0, le=1)]
+#: A fraction of ``limit`` in (0, 1].
+Fraction = Annotated[float, Field(gt=0, le=1)]
+Threshold = Fraction
+#: A strict integer limit: ``true`` or ``"1000"`` are refused, not coerced.
+Limit = Annotated[int, Field(strict=True, gt=0, le=MAX_AMOUNT)]
+
+
+def _match_schema(schema: dict[str, Any]) -> None:
+    # pydantic renders a constrained key as ``patternProperties``, which lets any other
+    # key through; state it as ``propertyNames`` so the schema refuses unknown fields.
+    for pattern, values in schema.pop("patternProperties", {}).items():
+        schema["propertyNames"] = {**schema.get("propertyNames", {}), "pattern": pattern}
+        schema["additionalProperties"] = values
 
 
 class Policy(BaseModel):
-    """One budget rule: no more than ``limit`` ``unit`` in any trailing ``window``."""
+    """One budget rule: no more than ``limit`` ``unit`` in any trailing ``window``.
+
+    Every refusal names the field: single-field rules are field validators (the field is
+    the error's ``loc``); rules across fields raise with the field name as the message
+    prefix (``bucket: ...``, ``downgrade_to: ...``). Rules that need the price catalog
+    live in :func:`validate_against_catalog`.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: PolicyId
-    match: dict[str, str] = Field(default_factory=dict)
-    group_by: list[str] = Field(default_factory=list)
+    match: dict[SubjectFieldName, SubjectValue] = Field(
+        default_factory=dict, json_schema_extra=_match_schema
+    )
+    group_by: list[SubjectFieldName] = Field(default_factory=list)
     unit: Unit
-    limit: Annotated[int, Field(gt=0, le=2**53 - 1)]
+    limit: Limit
     window: Duration = "24h"
     bucket: Duration = "1m"
     boundary: Boundary = "include"
     mode: Mode = "enforce"
     on_exceed: OnExceed = "reject"
-    downgrade_to: str | None = None
+    downgrade_to: SubjectValue | None = None
     alerts: list[Threshold] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
     failure: FailureMode = "closed"
-    degraded_allowance: Annotated[float, Field(gt=0, le=1)] = 0.1
+    degraded_allowance: Fraction = 0.1
     reservation_ttl: Duration = "15m"
-    count_cached_input: bool = True
+    count_cached_input: StrictBool = True
+    unpriced: Unpriced = "reject"
 
     @property
     def window_ms(self) -> int:
@@ -61,27 +92,80 @@ class Policy(BaseModel):
         """How long an unfinished reservation is held before it is charged in full."""
         return parse_duration_ms(self.reservation_ttl)
 
+    @field_validator("window")
+    @classmethod
+    def _window_range(cls, value: str) -> str:
+        if not _MIN_WINDOW_MS <= parse_duration_ms(value) <= _MAX_WINDOW_MS:
+            raise ValueError(f"window {value} is outside 30s..31d")
+        return value
+
+    @field_validator("bucket")
+    @classmethod
+    def _whole_seconds(cls, value: str) -> str:
+        if parse_duration_ms(value) % 1000:
+            raise ValueError(f"bucket {value} must be a whole number of seconds")
+        return value
+
+    @field_validator("reservation_ttl")
+    @classmethod
+    def _ttl_range(cls, value: str) -> str:
+        if not _MIN_TTL_MS <= parse_duration_ms(value) <= _MAX_TTL_MS:
+            raise ValueError(f"reservation_ttl {value} must be between 1s and 24h")
+        return value
+
+    @field_validator("group_by")
+    @classmethod
+    def _unique_fields(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("group_by fields must be unique")
+        return value
+
+    @field_validator("alerts")
+    @classmethod
+    def _sorted_thresholds(cls, value: list[float]) -> list[float]:
+        if value != sorted(set(value)):
+            raise ValueError("alerts thresholds must be sorted ascending and unique")
+        return value
+
+    @field_validator("downgrade_to")
+    @classmethod
+    def _concrete_model(cls, value: str | None) -> str | None:
+        if value is not None and _GLOB_CHARS.intersection(value):
+            raise ValueError(f"downgrade_to {value!r} must name one model, not a glob")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Self:
         window_ms, bucket_ms = self.window_ms, self.bucket_ms
-        if not _MIN_WINDOW_MS <= window_ms <= _MAX_WINDOW_MS:
-            raise ValueError(f"window: {self.window} is outside 30s..31d")
-        if bucket_ms % 1000 or bucket_ms > window_ms or window_ms % bucket_ms:
-            raise ValueError(
-                f"bucket: {self.bucket} must be whole seconds and divide window {self.window}"
-            )
-        for field in (*self.group_by, *self.match):
-            if field not in SUBJECT_FIELDS and not field.startswith("labels."):
-                raise ValueError(
-                    f"group_by/match: unknown subject field {field!r}; "
-                    f"use one of {', '.join(SUBJECT_FIELDS)} or labels.NAME"
-                )
-        if len(set(self.group_by)) != len(self.group_by):
-            raise ValueError("group_by: fields must be unique")
-        if list(self.alerts) != sorted(set(self.alerts)):
-            raise ValueError("alerts: thresholds must be sorted ascending and unique")
+        if bucket_ms > window_ms or window_ms % bucket_ms:
+            raise ValueError(f"bucket: {self.bucket} must divide window {self.window}")
         if (self.on_exceed == "downgrade") != (self.downgrade_to is not None):
             raise ValueError("downgrade_to: required exactly when on_exceed is 'downgrade'")
-        if not 1_000 <= self.reservation_ttl_ms <= 86_400_000:
-            raise ValueError("reservation_ttl: must be between 1s and 24h")
         return self
+
+
+def validate_against_catalog(policy: Policy, catalog: PriceCatalog) -> None:
+    """Check the rules of ``policy`` that depend on the price catalog.
+
+    The policy model cannot see the catalog, so apply-time code calls this for every
+    policy once both are known.
+
+    Args:
+        policy: a validated policy.
+        catalog: the price catalog in force.
+
+    Raises:
+        PolicyError: ``downgrade_to`` names a model with no price (the catalog default
+            does not count), or ``unpriced`` is ``charge_default`` while the catalog has
+            no ``default``. The message starts with the field name.
+    """
+    if policy.downgrade_to is not None and catalog.price_of(policy.downgrade_to) is None:
+        raise PolicyError(
+            f"downgrade_to: policy {policy.id!r} downgrades to {policy.downgrade_to!r}, "
+            "which has no price in the catalog"
+        )
+    if policy.unpriced == "charge_default" and catalog.default is None:
+        raise PolicyError(
+            f"unpriced: policy {policy.id!r} is 'charge_default' but the price catalog "
+            "has no default"
+        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 def window_key(prefix: str, key: str) -> str:
-    """Hash of one budget key's buckets: field = bucket start ms, value = amount."""
+    """String holding one budget key's buckets in the ``schemas.window_codec`` layout."""
     return f"{prefix}w:{key}"
 
 

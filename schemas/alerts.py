@@ -1,0 +1,76 @@
+"""Alerts on ``budget.alerts``, with deterministic ids so a replay re-emits the same ones."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.events import UtcDatetime
+from schemas.policies import Threshold
+from schemas.types import MAX_AMOUNT, PolicyId, SignedAmount
+
+AlertKind = Literal["threshold", "exhausted", "reservation_expired", "store_failure"]
+
+_ID_HEX_CHARS = 32
+
+
+def alert_id(
+    policy_id: str, key: str, kind: AlertKind, threshold: float | None, crossing_seq: int
+) -> str:
+    """Return the deterministic id of one alert.
+
+    The id is the first 32 hex digits (128 bits) of the SHA-256 of the canonical JSON
+    array ``[1, policy_id, key, kind, threshold, crossing_seq]`` (compact separators,
+    non-ASCII kept as UTF-8; the leading ``1`` versions the scheme). JSON quoting keeps
+    the parts unambiguous, and floats print as their shortest round-trip form, so the
+    same inputs give the same id in every process and on every replay.
+
+    Args:
+        policy_id: the policy the alert is about.
+        key: the budget key.
+        kind: the alert kind.
+        threshold: the threshold crossed (``kind == "threshold"``), else usually ``None``.
+        crossing_seq: which occurrence this is for the same policy, key, kind and
+            threshold, counted from 0 by the emitter in event order (a threshold re-arms
+            when usage falls back under it; its next crossing takes the next number).
+
+    Returns:
+        A 32-character lowercase hex string.
+    """
+    canonical = json.dumps(
+        [1, policy_id, key, kind, threshold, crossing_seq],
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:_ID_HEX_CHARS]
+
+
+class Alert(BaseModel):
+    """One alert on ``budget.alerts``; build ``alert_id`` with :func:`alert_id`.
+
+    Kinds: ``threshold`` (usage crossed ``threshold`` of ``limit``; fires once per
+    crossing), ``exhausted`` (the budget is used up), ``reservation_expired`` (a
+    reservation was charged its estimate at expiry), ``store_failure`` (admission could
+    not reach its store for this budget).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    alert_id: str = Field(min_length=1, max_length=128)
+    kind: AlertKind
+    policy: PolicyId
+    key: str = Field(min_length=1)
+    threshold: Threshold | None = None
+    used: SignedAmount
+    limit: int = Field(gt=0, le=MAX_AMOUNT)
+    at: UtcDatetime
+
+    @model_validator(mode="after")
+    def _threshold_given(self) -> Self:
+        if self.kind == "threshold" and self.threshold is None:
+            raise ValueError("threshold: required when kind is 'threshold'")
+        return self
