@@ -22,6 +22,7 @@ from schemas.decisions import AdmitRequest, BudgetStatus, Decision
 from schemas.events import CommitEvent, ReleaseEvent, ReserveEvent, Subject, Usage
 from schemas.exceptions import MissingGroupByField, UnitError
 from schemas.matching import targets
+from schemas.prices import PriceCatalog
 from schemas.redis_keys import reservation_key
 from schemas.types import Identifier
 from schemas.units import amount
@@ -93,7 +94,12 @@ def _ratelimit_headers(budgets: list[BudgetStatus]) -> dict[str, str]:
     }
 
 
-def create_app(store: BudgetStore, publisher: UsagePublisher, lifespan: Any = None) -> FastAPI:
+def create_app(
+    store: BudgetStore,
+    publisher: UsagePublisher,
+    prices: PriceCatalog | None = None,
+    lifespan: Any = None,
+) -> FastAPI:
     """Build the API around an opened store and publisher (see ``admission.server``)."""
     app = FastAPI(title="spendgate admission", version="1", lifespan=lifespan)
 
@@ -116,7 +122,10 @@ def create_app(store: BudgetStore, publisher: UsagePublisher, lifespan: Any = No
     async def _admit(body: AdmitRequest) -> Response:
         try:
             matched = targets(await store.policies(), body.subject)
-            charges = [Charge(t, amount(t.policy, body.estimate)) for t in matched]
+            model = body.subject.model
+            charges = [
+                Charge(t, amount(t.policy, body.estimate, prices, model=model)) for t in matched
+            ]
         except MissingGroupByField as exc:
             raise BadRequest(str(exc), f"subject.{exc.field}") from exc
         except UnitError as exc:

@@ -14,6 +14,7 @@ from admission.app import create_app
 from admission.publisher import KafkaPublisher
 from admission.settings import AdmissionSettings
 from admission.store import BudgetStore
+from schemas.prices import load_catalog
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
             finally:
                 await client.aclose()
 
-    return create_app(store, publisher, lifespan=lifespan)
+    prices = load_catalog(settings.prices_file) if settings.prices_file else None
+    return create_app(store, publisher, prices, lifespan=lifespan)
 
 
 def serve(settings: AdmissionSettings) -> None:

@@ -17,6 +17,9 @@ class AdmissionSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
+    #: YAML/JSON price catalog for ``cost_usd`` policies (none: only events carrying
+    #: ``cost_usd_micros`` can be charged in USD, others follow the policy's ``unpriced``).
+    prices_file: Path | None = None
     admission_host: str = "127.0.0.1"
     admission_port: int = Field(8787, ge=1, le=65535)
     auth_tokens_file: Path | None = None

@@ -84,6 +84,7 @@ class BudgetStore:
                 policy.limit,
                 policy.window_ms,
                 policy.bucket_ms,
+                policy.boundary,
                 charge.amount,
                 policy.reservation_ttl_ms,
             ]

@@ -23,8 +23,12 @@ dev = typer.Typer(
     help="Run a local Kafka broker and Redis server (no Docker).", no_args_is_help=True
 )
 policy = typer.Typer(help="Apply, list and delete budget policies.", no_args_is_help=True)
+schema = typer.Typer(
+    help="The JSON Schemas of events, policies and API bodies.", no_args_is_help=True
+)
 app.add_typer(dev, name="dev")
 app.add_typer(policy, name="policy")
+app.add_typer(schema, name="schema")
 console = Console(stderr=True)
 
 
@@ -147,6 +151,19 @@ def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id."
 
     delete_policy(WorkerSettings(), policy_id)
     console.print(f"deleted {policy_id}")
+
+
+@schema.command("export")
+def schema_export(
+    directory: Annotated[
+        Path, typer.Argument(help="Where to write the *.schema.json files.", file_okay=False)
+    ] = Path("schemas/json"),
+) -> None:
+    """Write the JSON Schema files of the models (checked in under schemas/json)."""
+    from schemas.jsonschema import export
+
+    for path in export(directory):
+        console.print(f"wrote {path}")
 
 
 @app.command("demo")

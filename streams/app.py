@@ -14,6 +14,8 @@ from pydantic import ValidationError
 from schemas.events import parse_event
 from schemas.exceptions import SpendgateError
 from schemas.matching import targets
+from schemas.prices import load_catalog
+from schemas.windows import WindowSpec
 from streams import metrics
 from streams.ledger import KeyedRecord, KeyState, apply, keyed_record
 from streams.materialize import RedisMaterializer
@@ -67,6 +69,7 @@ def build_app(settings: WorkerSettings) -> faust.App:
         partitions=settings.partitions,
         key_type=str,
     )
+    prices = load_catalog(settings.prices_file) if settings.prices_file else None
     book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"))
     materializer = RedisMaterializer(
         aioredis.Redis.from_url(settings.redis_url), settings.redis_prefix
@@ -108,7 +111,7 @@ def build_app(settings: WorkerSettings) -> faust.App:
             metrics.EVENTS.labels(kind=event.kind).inc()
             for target in matched:
                 try:
-                    rec = keyed_record(event, target, horizon_ms())
+                    rec = keyed_record(event, target, horizon_ms(), prices)
                 except SpendgateError as exc:
                     await dead_letter(f"policy {target.policy.id}: {exc}", raw)
                     continue
@@ -123,6 +126,8 @@ def build_app(settings: WorkerSettings) -> faust.App:
             metrics.OUTCOMES.labels(outcome=change.outcome).inc()
             if change.outcome != "duplicate":
                 table[rec.key] = state.to_json()
-            await materializer.write(rec.key, state, change, rec.window_ms)
+            await materializer.write(
+                rec.key, state, change, WindowSpec(rec.window_ms, rec.bucket_ms)
+            )
 
     return app

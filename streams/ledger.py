@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from schemas import windows
 from schemas.events import ReleaseEvent, ReserveEvent, UsageEvent
 from schemas.matching import BudgetTarget
+from schemas.prices import PriceCatalog
 from schemas.units import amount
+from schemas.windows import WindowSpec
 
 Kind = Literal["reserve", "commit", "release", "adjust"]
 Outcome = Literal["applied", "duplicate", "late_dropped"]
@@ -50,6 +53,7 @@ class KeyState:
 
     buckets: dict[int, int] = field(default_factory=dict)
     seen: dict[str, int] = field(default_factory=dict)
+    #: reservation id -> (occurred_ms, estimate, expires_ms) of reservations still open.
     reservations: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     settled: dict[str, int] = field(default_factory=dict)
     high_ms: int = 0
@@ -80,23 +84,25 @@ class KeyState:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """What applying one record did: the outcome and the buckets whose amount changed."""
+    """What applying one record did: the outcome, the buckets it touched, whether old
+    buckets were pruned, and the reservation whose pending entry it absorbs."""
 
     outcome: Outcome
     touched: tuple[int, ...] = ()
-    dropped: tuple[int, ...] = ()
+    pruned: bool = False
     absorbed: str | None = None
 
+    @property
+    def buckets_changed(self) -> bool:
+        """Whether the key's bucket state differs from before."""
+        return bool(self.touched) or self.pruned
 
-def _charge(state: KeyState, bucket: int, delta: int, touched: list[int]) -> None:
-    if delta == 0:
-        return
-    new = state.buckets.get(bucket, 0) + delta
-    if new:
-        state.buckets[bucket] = new
-    else:
-        state.buckets.pop(bucket, None)
-    touched.append(bucket)
+
+def _charge(
+    spec: WindowSpec, state: KeyState, occurred_ms: int, delta: int, touched: list[int]
+) -> None:
+    if delta:
+        touched.append(windows.add(spec, state.buckets, occurred_ms, delta))
 
 
 def apply(state: KeyState, rec: KeyedRecord) -> Change:
@@ -104,56 +110,66 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
     absorbed = rec.reservation_id if rec.kind == "reserve" else None
     if rec.event_id in state.seen:
         return Change("duplicate", absorbed=absorbed)
-    if rec.occurred_ms <= state.high_ms - rec.window_ms:
-        state.seen[rec.event_id] = rec.occurred_ms
-        return Change("late_dropped", absorbed=absorbed)
+    spec = WindowSpec(rec.window_ms, rec.bucket_ms)
     state.seen[rec.event_id] = rec.occurred_ms
-    bucket = rec.occurred_ms - rec.occurred_ms % rec.bucket_ms
+    if spec.bucket_of(rec.occurred_ms) < spec.first_live_bucket(state.high_ms):
+        return Change("late_dropped", absorbed=absorbed)
     touched: list[int] = []
     rid = rec.reservation_id
     if rec.kind == "reserve" and rid is not None:
         if rid not in state.settled:
-            _charge(state, bucket, rec.amount, touched)
-            state.reservations[rid] = (bucket, rec.amount, rec.expires_ms or rec.occurred_ms)
+            _charge(spec, state, rec.occurred_ms, rec.amount, touched)
+            state.reservations[rid] = (
+                rec.occurred_ms,
+                rec.amount,
+                rec.expires_ms or rec.occurred_ms,
+            )
     elif rec.kind in ("commit", "release") and rid is not None:
         held = state.reservations.pop(rid, None)
         state.settled[rid] = rec.occurred_ms
         actual = rec.amount if rec.kind == "commit" else 0
         if held is not None:
-            _charge(state, held[0], actual - held[1], touched)
+            # The actual usage replaces the estimate in the reservation's own bucket.
+            _charge(spec, state, held[0], actual - held[1], touched)
         else:
-            _charge(state, bucket, actual, touched)
+            _charge(spec, state, rec.occurred_ms, actual, touched)
     else:
-        _charge(state, bucket, rec.amount, touched)
-    dropped: tuple[int, ...] = ()
-    if rec.occurred_ms - rec.occurred_ms % rec.bucket_ms > state.high_ms:
+        _charge(spec, state, rec.occurred_ms, rec.amount, touched)
+    pruned = False
+    if spec.bucket_of(rec.occurred_ms) > spec.bucket_of(state.high_ms):
         # Time entered a new bucket: forget what no window or dedupe horizon can reach.
         state.high_ms = rec.occurred_ms
-        dropped = _prune(state, rec.window_ms, rec.bucket_ms, rec.horizon_ms)
+        pruned = _prune(spec, state, rec.horizon_ms)
     state.high_ms = max(state.high_ms, rec.occurred_ms)
-    return Change("applied", tuple(touched), dropped, absorbed)
+    return Change("applied", tuple(touched), pruned, absorbed)
 
 
-def _prune(state: KeyState, window_ms: int, bucket_ms: int, horizon_ms: int) -> tuple[int, ...]:
-    oldest = state.high_ms - window_ms
-    dropped = tuple(b for b in state.buckets if b + bucket_ms <= oldest)
-    for b in dropped:
-        del state.buckets[b]
+def _prune(spec: WindowSpec, state: KeyState, horizon_ms: int) -> bool:
+    dropped = windows.prune(spec, state.buckets, state.high_ms)
+    live = spec.first_live_bucket(state.high_ms)
     forget = state.high_ms - horizon_ms
     state.seen = {k: v for k, v in state.seen.items() if v > forget}
     state.settled = {k: v for k, v in state.settled.items() if v > forget}
-    state.reservations = {k: v for k, v in state.reservations.items() if v[0] + bucket_ms > oldest}
-    return dropped
+    state.reservations = {
+        k: v for k, v in state.reservations.items() if spec.bucket_of(v[0]) >= live
+    }
+    return dropped > 0
 
 
-def keyed_record(event: UsageEvent, target: BudgetTarget, horizon_ms: int) -> KeyedRecord:
+def keyed_record(
+    event: UsageEvent, target: BudgetTarget, horizon_ms: int, prices: PriceCatalog | None = None
+) -> KeyedRecord:
     """The record one event contributes to one budget key.
 
     Raises:
         UnitError: the event's usage cannot be expressed in the policy's unit.
     """
     policy = target.policy
-    usage_amount = 0 if isinstance(event, ReleaseEvent) else amount(policy, event.usage)
+    usage_amount = (
+        0
+        if isinstance(event, ReleaseEvent)
+        else amount(policy, event.usage, prices, model=event.subject.model)
+    )
     return KeyedRecord(
         event_id=event.event_id,
         kind=event.kind,
@@ -165,7 +181,5 @@ def keyed_record(event: UsageEvent, target: BudgetTarget, horizon_ms: int) -> Ke
         bucket_ms=policy.bucket_ms,
         horizon_ms=max(horizon_ms, policy.window_ms),
         reservation_id=getattr(event, "reservation_id", None),
-        expires_ms=(
-            int(event.expires_at.timestamp() * 1000) if isinstance(event, ReserveEvent) else None
-        ),
+        expires_ms=event.expires_ms if isinstance(event, ReserveEvent) else None,
     )

@@ -6,8 +6,10 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from schemas import window_codec
 from schemas.policies import Policy
 from schemas.redis_keys import pending_key, policies_key, policies_version_key, window_key
+from schemas.windows import WindowSpec
 from streams.ledger import Change, KeyState
 
 
@@ -18,23 +20,23 @@ class RedisMaterializer:
         self.client = client
         self.prefix = prefix
 
-    async def write(self, key: str, state: KeyState, change: Change, window_ms: int) -> None:
-        """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step."""
-        if not (change.touched or change.dropped or change.absorbed):
+    async def write(self, key: str, state: KeyState, change: Change, spec: WindowSpec) -> None:
+        """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step.
+
+        The window is stored as the compact codec value the admission script decodes.
+        """
+        if not (change.buckets_changed or change.absorbed):
             return
-        wkey = window_key(self.prefix, key)
         async with self.client.pipeline(transaction=True) as pipe:
-            for bucket in change.touched:
-                amount = state.buckets.get(bucket, 0)
-                if amount:
-                    pipe.hset(wkey, str(bucket), amount)
-                else:
-                    pipe.hdel(wkey, str(bucket))
-            if change.dropped:
-                pipe.hdel(wkey, *(str(b) for b in change.dropped))
+            if change.buckets_changed:
+                pipe.set(
+                    window_key(self.prefix, key),
+                    window_codec.encode(state.buckets, spec.bucket_ms),
+                    # Idle longer than this, every bucket has aged out of the window.
+                    px=2 * spec.window_ms,
+                )
             if change.absorbed:
                 pipe.hdel(pending_key(self.prefix, key), change.absorbed)
-            pipe.pexpire(wkey, 2 * window_ms)
             await pipe.execute()
 
     async def write_policies(self, policies: Iterable[Policy]) -> None:

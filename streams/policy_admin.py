@@ -11,7 +11,8 @@ from aiokafka import AIOKafkaProducer
 from pydantic import TypeAdapter, ValidationError
 
 from schemas.exceptions import PolicyError
-from schemas.policies import Policy
+from schemas.policies import Policy, validate_against_catalog
+from schemas.prices import PriceCatalog, load_catalog
 from streams.policybook import read_policies
 from streams.settings import WorkerSettings
 from streams.topics import ensure_topics
@@ -60,8 +61,16 @@ async def publish_policies(settings: WorkerSettings, policies: list[Policy]) -> 
 
 
 def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
-    """Validate every policy in ``path`` first, then publish them all; return their ids."""
+    """Validate every policy in ``path`` first, then publish them all; return their ids.
+
+    Raises:
+        PolicyError: a policy is invalid, or names a price the catalog lacks.
+    """
     policies = load_policies(path)
+    # Without a catalog nothing is priced: a downgrade target or a default rate is refused.
+    catalog = load_catalog(settings.prices_file) if settings.prices_file else PriceCatalog()
+    for p in policies:
+        validate_against_catalog(p, catalog)
     asyncio.run(publish_policies(settings, policies))
     return [p.id for p in policies]
 

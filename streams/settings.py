@@ -17,6 +17,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
+    #: YAML/JSON price catalog for ``cost_usd`` policies (none: only events carrying
+    #: ``cost_usd_micros`` can be charged in USD, others follow the policy's ``unpriced``).
+    prices_file: Path | None = None
     app_id: str = "spendgate"
     partitions: int = Field(4, ge=1, le=256)
     data_dir: Path = Path.home() / ".local" / "state" / "spendgate" / "tables"
