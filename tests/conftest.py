@@ -10,6 +10,7 @@ pytest_plugins = [
     "tests.fixtures.services",
     "tests.fixtures.factories",
     "tests.fixtures.pipeline",
+    "tests.fixtures.admission",
 ]
 
 settings.register_profile("dev", max_examples=200, deadline=None)
