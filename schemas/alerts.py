@@ -18,7 +18,12 @@ _ID_HEX_CHARS = 32
 
 
 def alert_id(
-    policy_id: str, key: str, kind: AlertKind, threshold: float | None, crossing_seq: int
+    policy_id: str,
+    key: str,
+    kind: AlertKind,
+    threshold: float | None,
+    crossing_seq: int,
+    ref: str | None = None,
 ) -> str:
     """Return the deterministic id of one alert.
 
@@ -36,12 +41,17 @@ def alert_id(
         crossing_seq: which occurrence this is for the same policy, key, kind and
             threshold, counted from 0 by the emitter in event order (a threshold re-arms
             when usage falls back under it; its next crossing takes the next number).
+        ref: what the alert is about when that is not a crossing, such as the
+            reservation id of ``reservation_expired``; appended to the array when given.
 
     Returns:
         A 32-character lowercase hex string.
     """
+    parts: list[object] = [1, policy_id, key, kind, threshold, crossing_seq]
+    if ref is not None:
+        parts.append(ref)
     canonical = json.dumps(
-        [1, policy_id, key, kind, threshold, crossing_seq],
+        parts,
         separators=(",", ":"),
         ensure_ascii=False,
         allow_nan=False,
@@ -68,6 +78,7 @@ class Alert(BaseModel):
     used: SignedAmount
     limit: int = Field(gt=0, le=MAX_AMOUNT)
     at: UtcDatetime
+    reservation_id: str | None = None
 
     @model_validator(mode="after")
     def _threshold_given(self) -> Self:

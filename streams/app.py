@@ -2,38 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import logging
+import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import faust
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
-from schemas.events import parse_event
-from schemas.exceptions import SpendgateError
-from schemas.matching import targets
+from schemas.deadletter import dead_letter
 from schemas.prices import load_catalog
-from schemas.windows import WindowSpec
 from streams import metrics
-from streams.ledger import KeyedRecord, KeyState, apply, keyed_record
+from streams.alerting import evaluate
+from streams.fanout import fan_out
+from streams.ledger import KeyedRecord, KeyState, apply
 from streams.materialize import RedisMaterializer
 from streams.policybook import PolicyBook
 from streams.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
-
-
-def dlq_record(reason: str, original: bytes) -> bytes:
-    """A dead-letter record: the reason and the original bytes (as text where possible)."""
-    return json.dumps(
-        {
-            "reason": reason,
-            "original": original.decode("utf-8", "backslashreplace"),
-            "at": datetime.now(UTC).isoformat(),
-        }
-    ).encode()
 
 
 def build_app(settings: WorkerSettings) -> faust.App:
@@ -64,11 +52,8 @@ def build_app(settings: WorkerSettings) -> faust.App:
         partitions=settings.partitions,
     )
     dlq = app.topic(settings.topic("dlq"), value_serializer="raw", key_serializer="raw")
-    table = app.Table(
-        "keystate",
-        partitions=settings.partitions,
-        key_type=str,
-    )
+    alerts_topic = app.topic(settings.topic("alerts"), value_serializer="raw", key_type=str)
+    table = app.Table("keystate", partitions=settings.partitions, key_type=str)
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"))
     materializer = RedisMaterializer(
@@ -79,11 +64,6 @@ def build_app(settings: WorkerSettings) -> faust.App:
     def horizon_ms() -> int:
         longest = max((p.window_ms for p in book.policies.values()), default=0)
         return longest + settings.lateness_ms
-
-    async def dead_letter(reason: str, raw: bytes) -> None:
-        metrics.DEAD_LETTERED.inc()
-        logger.warning("dead-lettered a usage record: %s", reason)
-        await dlq.send(value=dlq_record(reason, raw))
 
     @app.task  # type: ignore[untyped-decorator]
     async def policy_tail() -> None:
@@ -98,24 +78,41 @@ def build_app(settings: WorkerSettings) -> faust.App:
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
         await book.ready.wait()
-        async for raw in stream:
-            try:
-                event = parse_event(raw)
-                matched = targets(book.policies.values(), event.subject)
-            except ValidationError as exc:
-                await dead_letter(f"invalid event: {exc.errors(include_url=False)[:3]}", raw)
+        async for event in stream.events():
+            raw: bytes = event.value
+            msg = event.message
+            broker_ms = int(msg.timestamp * 1000)
+            metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
+            out = fan_out(
+                raw,
+                broker_ms=broker_ms,
+                policies=book.policies.values(),
+                prices=prices,
+                horizon_ms=horizon_ms(),
+                max_future_skew_ms=settings.max_future_skew_ms,
+            )
+            for reason in [out.rejected] if out.rejected else out.partial:
+                metrics.DEAD_LETTERED.inc()
+                logger.warning(
+                    "dead-lettered usage record at %s/%s: %s", msg.partition, msg.offset, reason
+                )
+                record = dead_letter(
+                    reason,
+                    raw,
+                    topic=msg.topic,
+                    partition=msg.partition,
+                    offset=msg.offset,
+                    at=datetime.now(UTC),
+                )
+                await dlq.send(value=record.model_dump_json().encode())
+            if out.rejected:
+                metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
                 continue
-            except SpendgateError as exc:
-                await dead_letter(str(exc), raw)
-                continue
-            metrics.EVENTS.labels(kind=event.kind).inc()
-            for target in matched:
-                try:
-                    rec = keyed_record(event, target, horizon_ms(), prices)
-                except SpendgateError as exc:
-                    await dead_letter(f"policy {target.policy.id}: {exc}", raw)
-                    continue
-                await keyed.send(key=target.key, value=rec.to_json())
+            metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
+            if out.clamped:
+                metrics.CLAMPED.inc()
+            for rec in out.records:
+                await keyed.send(key=rec.key, value=replace(rec, broker_ms=broker_ms).to_json())
 
     @app.agent(keyed, concurrency=1)
     async def account(stream: faust.StreamT[dict[str, Any]]) -> None:
@@ -124,10 +121,15 @@ def build_app(settings: WorkerSettings) -> faust.App:
             state = KeyState.from_json(table.get(rec.key))
             change = apply(state, rec)
             metrics.OUTCOMES.labels(outcome=change.outcome).inc()
+            due = evaluate(state, rec) if change.outcome == "applied" else []
             if change.outcome != "duplicate":
                 table[rec.key] = state.to_json()
-            await materializer.write(
-                rec.key, state, change, WindowSpec(rec.window_ms, rec.bucket_ms)
-            )
+            await materializer.write(rec.key, state, change, rec.spec)
+            if rec.broker_ms:
+                metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
+            # Alerts leave only after the state change is in the table and in Redis.
+            for alert in due:
+                metrics.ALERTS.labels(kind=alert.kind).inc()
+                await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
 
     return app

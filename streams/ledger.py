@@ -1,8 +1,16 @@
 """Pure per-budget-key accounting: buckets, dedupe and the reservation lifecycle.
 
-One ``KeyState`` holds everything about one budget key, so the buckets and the dedupe
-memory are written in one table record (one changelog message) and commit together.
-No I/O and no clock: event time comes in the record.
+One ``KeyState`` holds everything about one budget key, so the buckets, the dedupe
+memory, open reservations and alert bookkeeping are written in one table record (one
+changelog message) and commit together.
+
+Clock: event time only. A key's clock is the latest ``occurred_at`` it has seen
+(``high_ms``): it decides what is too late, what is pruned, and when a reservation counts
+as expired. No wall clock is read, so a replay of the same records reproduces the same
+state and the same alerts. A reservation's estimate sits in the bucket of its
+``occurred_at`` from its ``reserve`` until its ``commit`` replaces it or its ``release``
+frees it; expiry changes no amount (the estimate simply stays charged), so windows do not
+depend on when expiry is noticed.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from schemas import windows
 from schemas.events import ReleaseEvent, ReserveEvent, UsageEvent
 from schemas.matching import BudgetTarget
 from schemas.prices import PriceCatalog
+from schemas.types import Boundary
 from schemas.units import amount
 from schemas.windows import WindowSpec
 
@@ -34,17 +43,29 @@ class KeyedRecord:
     window_ms: int
     bucket_ms: int
     horizon_ms: int
+    limit: int
+    boundary: Boundary = "include"
+    thresholds: tuple[float, ...] = ()
     reservation_id: str | None = None
     expires_ms: int | None = None
+    #: Broker timestamp of the usage record this came from (for the lag metric only).
+    broker_ms: int = 0
+
+    @property
+    def spec(self) -> WindowSpec:
+        """The policy's window as the engine wants it."""
+        return WindowSpec(self.window_ms, self.bucket_ms, self.boundary)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the repartition topic's value)."""
-        return {k: getattr(self, k) for k in self.__slots__}
+        out = {k: getattr(self, k) for k in self.__slots__}
+        out["thresholds"] = list(self.thresholds)
+        return out
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> KeyedRecord:
         """Inverse of :meth:`to_json`."""
-        return cls(**raw)
+        return cls(**{**raw, "thresholds": tuple(raw.get("thresholds", ()))})
 
 
 @dataclass(slots=True)
@@ -56,7 +77,15 @@ class KeyState:
     #: reservation id -> (occurred_ms, estimate, expires_ms) of reservations still open.
     reservations: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     settled: dict[str, int] = field(default_factory=dict)
+    #: The latest event time seen on this key: the key's clock (see module docstring).
     high_ms: int = 0
+    #: The bucket width the buckets are kept in (0: none yet).
+    bucket_ms: int = 0
+    #: Alert bookkeeping: crossings so far per alert line, the lines usage is above now,
+    #: and reservations already reported expired.
+    crossings: dict[str, int] = field(default_factory=dict)
+    above: set[str] = field(default_factory=set)
+    expired: set[str] = field(default_factory=set)
 
     def to_json(self) -> dict[str, Any]:
         """Serialize for the table (JSON object keys are strings)."""
@@ -66,6 +95,10 @@ class KeyState:
             "res": {k: list(v) for k, v in self.reservations.items()},
             "settled": self.settled,
             "hwm": self.high_ms,
+            "bw": self.bucket_ms,
+            "x": self.crossings,
+            "above": sorted(self.above),
+            "exp": sorted(self.expired),
         }
 
     @classmethod
@@ -79,6 +112,10 @@ class KeyState:
             reservations={k: (v[0], v[1], v[2]) for k, v in raw["res"].items()},
             settled=dict(raw["settled"]),
             high_ms=int(raw["hwm"]),
+            bucket_ms=int(raw.get("bw", 0)),
+            crossings=dict(raw.get("x", {})),
+            above=set(raw.get("above", ())),
+            expired=set(raw.get("exp", ())),
         )
 
 
@@ -110,7 +147,8 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
     absorbed = rec.reservation_id if rec.kind == "reserve" else None
     if rec.event_id in state.seen:
         return Change("duplicate", absorbed=absorbed)
-    spec = WindowSpec(rec.window_ms, rec.bucket_ms)
+    spec = rec.spec
+    rebucketed = _rebucket(state, rec.bucket_ms)
     state.seen[rec.event_id] = rec.occurred_ms
     if spec.bucket_of(rec.occurred_ms) < spec.first_live_bucket(state.high_ms):
         return Change("late_dropped", absorbed=absorbed)
@@ -141,7 +179,26 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
         state.high_ms = rec.occurred_ms
         pruned = _prune(spec, state, rec.horizon_ms)
     state.high_ms = max(state.high_ms, rec.occurred_ms)
-    return Change("applied", tuple(touched), pruned, absorbed)
+    return Change("applied", tuple(touched), pruned or rebucketed, absorbed)
+
+
+def _rebucket(state: KeyState, bucket_ms: int) -> bool:
+    """Move the buckets to a new width after a policy changed its ``bucket``.
+
+    Each old bucket's amount goes to the new bucket holding the old bucket's *last*
+    millisecond, so no usage ages out earlier than it would have: never under-counts.
+    """
+    old = state.bucket_ms
+    state.bucket_ms = bucket_ms
+    if old in (0, bucket_ms) or not state.buckets:
+        return False
+    moved: dict[int, int] = {}
+    for start, value in state.buckets.items():
+        end = start + old - 1
+        target = end - end % bucket_ms
+        moved[target] = moved.get(target, 0) + value
+    state.buckets = {k: v for k, v in moved.items() if v}
+    return True
 
 
 def _prune(spec: WindowSpec, state: KeyState, horizon_ms: int) -> bool:
@@ -153,13 +210,20 @@ def _prune(spec: WindowSpec, state: KeyState, horizon_ms: int) -> bool:
     state.reservations = {
         k: v for k, v in state.reservations.items() if spec.bucket_of(v[0]) >= live
     }
+    state.expired &= state.reservations.keys()
     return dropped > 0
 
 
 def keyed_record(
-    event: UsageEvent, target: BudgetTarget, horizon_ms: int, prices: PriceCatalog | None = None
+    event: UsageEvent,
+    target: BudgetTarget,
+    horizon_ms: int,
+    prices: PriceCatalog | None = None,
+    occurred_ms: int | None = None,
 ) -> KeyedRecord:
     """The record one event contributes to one budget key.
+
+    ``occurred_ms`` overrides the event's own time (a clamped future timestamp).
 
     Raises:
         UnitError: the event's usage cannot be expressed in the policy's unit.
@@ -175,11 +239,14 @@ def keyed_record(
         kind=event.kind,
         policy=policy.id,
         key=target.key,
-        occurred_ms=event.occurred_ms,
+        occurred_ms=event.occurred_ms if occurred_ms is None else occurred_ms,
         amount=usage_amount,
         window_ms=policy.window_ms,
         bucket_ms=policy.bucket_ms,
         horizon_ms=max(horizon_ms, policy.window_ms),
+        limit=policy.limit,
+        boundary=policy.boundary,
+        thresholds=tuple(policy.alerts),
         reservation_id=getattr(event, "reservation_id", None),
         expires_ms=event.expires_ms if isinstance(event, ReserveEvent) else None,
     )

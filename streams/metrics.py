@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 
-EVENTS = Counter("spendgate_events_total", "Valid usage events read, by kind.", ["kind"])
+EVENTS = Counter(
+    "spendgate_events_total",
+    "Usage records read, by kind and outcome (counted, dead_lettered).",
+    ["kind", "outcome"],
+)
 OUTCOMES = Counter(
     "spendgate_keyed_records_total",
-    "Per-budget-key records applied, by outcome (applied, duplicate, late_dropped).",
+    "Per-budget-key records, by outcome (applied, duplicate, late_dropped).",
     ["outcome"],
 )
+CLAMPED = Counter(
+    "spendgate_clamped_total", "Events whose future occurred_at was clamped to the broker time."
+)
 DEAD_LETTERED = Counter("spendgate_dead_lettered_total", "Records sent to the dead-letter topic.")
+ALERTS = Counter("spendgate_alerts_total", "Alerts emitted, by kind.", ["kind"])
+LAG = Histogram(
+    "spendgate_processing_lag_seconds",
+    "From the usage record's broker timestamp to its window being materialized in Redis.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+OFFSET = Gauge(
+    "spendgate_consumer_offset",
+    "Last offset processed, per topic and partition.",
+    ["topic", "partition"],
+)

@@ -23,6 +23,7 @@ def rec(
         window_ms=WINDOW,
         bucket_ms=BUCKET,
         horizon_ms=WINDOW + 3_600_000,
+        limit=1000,
         **extra,
     )
 

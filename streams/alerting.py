@@ -1,0 +1,64 @@
+"""Pure alert rules: threshold crossings, exhaustion and expired reservations."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from schemas import windows
+from schemas.alerts import Alert, AlertKind, alert_id
+from streams.ledger import KeyedRecord, KeyState
+
+
+def _line(state: KeyState, name: str, crossed: bool) -> int | None:
+    """Track one alert line; return the crossing number when it was just crossed."""
+    if not crossed:
+        state.above.discard(name)  # re-armed: the next crossing fires again
+        return None
+    if name in state.above:
+        return None
+    seq = state.crossings.get(name, 0)
+    state.crossings[name] = seq + 1
+    state.above.add(name)
+    return seq
+
+
+def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
+    """Alerts due after ``rec`` was applied to ``state`` (updates the bookkeeping in place).
+
+    Usage is the window total at the key's clock (``state.high_ms``) with the policy's
+    boundary. A threshold fires once per crossing of ``threshold x limit`` and re-arms when
+    usage falls back under it; ``exhausted`` likewise at ``limit``; a reservation still
+    open when the key's clock passes its expiry is reported once.
+    """
+    at_ms = state.high_ms
+    used = windows.total(rec.spec, state.buckets, at_ms)
+    at = datetime.fromtimestamp(at_ms / 1000, UTC)
+    alerts: list[Alert] = []
+
+    def emit(kind: AlertKind, threshold: float | None, seq: int, ref: str | None = None) -> None:
+        alerts.append(
+            Alert(
+                alert_id=alert_id(rec.policy, rec.key, kind, threshold, seq, ref),
+                kind=kind,
+                policy=rec.policy,
+                key=rec.key,
+                threshold=threshold,
+                used=used,
+                limit=rec.limit,
+                at=at,
+                reservation_id=ref,
+            )
+        )
+
+    for threshold in rec.thresholds:
+        seq = _line(state, f"t{threshold!r}", used * 1.0 >= threshold * rec.limit)
+        if seq is not None:
+            emit("threshold", threshold, seq)
+    seq = _line(state, "exhausted", used >= rec.limit)
+    if seq is not None:
+        emit("exhausted", None, seq)
+    for rid, (_, _, expires_ms) in sorted(state.reservations.items()):
+        if expires_ms <= at_ms and rid not in state.expired:
+            state.expired.add(rid)
+            emit("reservation_expired", None, 0, rid)
+    return alerts

@@ -1,0 +1,68 @@
+"""Pure first stage: validate one raw usage record and split it per budget key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from schemas.events import parse_event
+from schemas.exceptions import SpendgateError
+from schemas.matching import targets
+from schemas.policies import Policy
+from schemas.prices import PriceCatalog
+from streams.ledger import KeyedRecord, keyed_record
+
+
+@dataclass(frozen=True, slots=True)
+class Fanout:
+    """What one raw record becomes: keyed records, and reasons to dead-letter it."""
+
+    kind: str | None = None
+    records: list[KeyedRecord] = field(default_factory=list)
+    #: Set when the whole record is refused (it changes nothing).
+    rejected: str | None = None
+    #: Per-policy problems (the other policies still count the event).
+    partial: list[str] = field(default_factory=list)
+    clamped: bool = False
+
+
+def _reason(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False)[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "record"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid event: " + "; ".join(parts)
+
+
+def fan_out(
+    raw: bytes,
+    *,
+    broker_ms: int,
+    policies: Iterable[Policy],
+    prices: PriceCatalog | None,
+    horizon_ms: int,
+    max_future_skew_ms: int,
+) -> Fanout:
+    """Validate ``raw`` and build its record for every matching policy's budget key.
+
+    ``occurred_at`` more than ``max_future_skew_ms`` after the broker timestamp is clamped
+    to the broker timestamp (``clamped``).
+    """
+    try:
+        event = parse_event(raw)
+        matched = targets(policies, event.subject)
+    except ValidationError as exc:
+        return Fanout(rejected=_reason(exc))
+    except SpendgateError as exc:
+        return Fanout(kind=None, rejected=str(exc))
+    clamped = event.occurred_ms > broker_ms + max_future_skew_ms
+    occurred_ms = broker_ms if clamped else event.occurred_ms
+    out = Fanout(kind=event.kind, clamped=clamped)
+    for target in matched:
+        try:
+            out.records.append(keyed_record(event, target, horizon_ms, prices, occurred_ms))
+        except SpendgateError as exc:
+            out.partial.append(f"policy {target.policy.id}: {exc}")
+    return out
