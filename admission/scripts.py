@@ -4,91 +4,259 @@ from __future__ import annotations
 
 from admission.window_lua import WINDOW_LUA_LIB
 
-__all__ = ["ADMIT", "ADMIT_ARGS_PER_TARGET"]
+__all__ = [
+    "ADMIT",
+    "ADMIT_ARGS_PER_TARGET",
+    "ADMIT_HEADER_ARGS",
+    "ADMIT_REPLY_PER_TARGET",
+    "SETTLE",
+]
 
+#: ARGV entries before the first plan in :data:`ADMIT`.
+ADMIT_HEADER_ARGS = 6
 #: ARGV entries per budget key in :data:`ADMIT`.
-ADMIT_ARGS_PER_TARGET = 6
+ADMIT_ARGS_PER_TARGET = 12
+#: Reply entries per budget key of the reported plan.
+ADMIT_REPLY_PER_TARGET = 5
 
 # Check every matching budget key and reserve on all of them, or on none.
 #
-# KEYS[1]              idempotency record of this request_id
-# KEYS[2j], KEYS[2j+1] for target j = 1..n: the window (a string in the
-#                      schemas.window_codec layout, written by the stream processor) and
-#                      the pending hash (reservation id -> "amount:expires_ms", written here)
-# ARGV[1] n, ARGV[2] reservation id, ARGV[3] idempotency ttl ms
-# ARGV[4 + 6(j-1) ...] for target j: limit, window_ms, bucket_ms, boundary, amount,
-#                      reservation ttl ms
-# Returns {replayed (0/1), allowed (0/1), now_ms, retry_after_ms (-1 none, -2 never fits),
-#          reservation id, then per target: used, reserved (including this request's
-#          reservation when allowed)}; an allow is stored and a repeat returns it verbatim.
-# Time is the Redis server clock (TIME), never the caller's.
+# A request is described by one or more *plans*: plan 1 is the subject as sent; plans
+# 2.. are the same request with the model replaced by a policy's ``downgrade_to`` (its own
+# matching policies and amounts). A plan is tried as a whole; a downgrade plan is only
+# tried when every refusal in plan 1 comes from downgrade policies, and never downgrades
+# again.
+#
+# KEYS[1]              idempotency record of this request_id (the stored answer)
+# KEYS[2]              the reservation record (hash: subject, plan, settled)
+# KEYS[3..]            for each plan in order, for each of its targets: the window (a
+#                      string in the schemas.window_codec layout, written by the stream
+#                      processor) then the pending hash (reservation id -> "amount:expires_ms")
+# ARGV[1] read-only (1: evaluate plan 1, reserve and store nothing, ignore KEYS[1])
+# ARGV[2] reservation id      ARGV[3] idempotency ttl ms   ARGV[4] record ttl ms
+# ARGV[5] the estimate's output tokens (for cap)           ARGV[6] number of plans
+# per plan: subject JSON (stored in the record), n targets, then per target 12 entries:
+#   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms, observe (0/1),
+#   on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index (0 none),
+#   cap_s, cap_r, cap_d: the amount at o output tokens is ceil((cap_s + o*cap_r) / cap_d)
+#   (cap_r = 0: capping output does not lower this amount)
+# Returns {replayed (0/1), outcome (0 reject, 1 allow, 2 cap, 3 observe_reject), now_ms,
+#          retry_after_ms (-1 none, -2 never fits), reservation id, plan index,
+#          max output tokens (-1 none), n, then per target of the reported plan:
+#          used, reserved by others, own (reserved by this request), violated (0/1),
+#          reset_after_ms}
+# An answer that reserved is stored and a repeat returns it verbatim; a reject holds
+# nothing and is decided anew. Time is the Redis server clock (TIME), never the caller's.
 ADMIT = (
     WINDOW_LUA_LIB
     + r"""
-local stored = redis.call('GET', KEYS[1])
-if stored then
-  local out = {1}
-  for v in string.gmatch(stored, '([^,]+)') do out[#out + 1] = v end
-  return out
+local read_only = ARGV[1] == '1'
+if not read_only then
+  local stored = redis.call('GET', KEYS[1])
+  if stored then
+    local out = {1}
+    for v in string.gmatch(stored, '([^,]+)') do out[#out + 1] = v end
+    return out
+  end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n = tonumber(ARGV[1])
 local rid = ARGV[2]
-local used, reserved, fits, retry = {}, {}, true, -1
-for j = 1, n do
-  local base = 4 + 6 * (j - 1)
-  local limit = tonumber(ARGV[base])
-  local window = tonumber(ARGV[base + 1])
-  local bucket = tonumber(ARGV[base + 2])
-  local boundary = ARGV[base + 3]
-  local amount = tonumber(ARGV[base + 4])
-  local starts, amounts, count = window_decode(redis.call('GET', KEYS[2 * j]), bucket)
-  local u = window_total(starts, amounts, count, now, window, bucket, boundary)
-  local r, first_expiry = 0, nil
-  local pend = redis.call('HGETALL', KEYS[2 * j + 1])
-  for i = 1, #pend, 2 do
-    local a, exp = string.match(pend[i + 1], '^(%d+):(%d+)$')
-    exp = tonumber(exp)
-    if exp > now then
-      r = r + tonumber(a)
-      if first_expiry == nil or exp < first_expiry then first_expiry = exp end
-    end
+local est_out = tonumber(ARGV[5])
+local nplans = tonumber(ARGV[6])
+
+-- Parse every plan; window state is read only for the plans evaluated.
+local plans, a, k = {}, 7, 3
+for p = 1, nplans do
+  local plan = {subject = ARGV[a], n = tonumber(ARGV[a + 1]), targets = {}}
+  a = a + 2
+  for j = 1, plan.n do
+    plan.targets[j] = {
+      wkey = KEYS[k], pkey = KEYS[k + 1],
+      limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]),
+      bucket = tonumber(ARGV[a + 2]), boundary = ARGV[a + 3],
+      amount = tonumber(ARGV[a + 4]), ttl = tonumber(ARGV[a + 5]),
+      observe = ARGV[a + 6] == '1', on_exceed = tonumber(ARGV[a + 7]),
+      alt = tonumber(ARGV[a + 8]), cap_s = tonumber(ARGV[a + 9]),
+      cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
+    }
+    a = a + 12
+    k = k + 2
   end
-  used[j], reserved[j] = u, r
-  if u + r + amount > limit then
-    fits = false
-    local at, never = window_retry_after(starts, amounts, count, now, window, bucket,
-                                         boundary, limit, r, amount)
-    local wait
-    if never then
-      wait = -2
-    elseif at then
-      wait = at - now
-    else
-      -- Only in-flight reservations stand in the way: they settle by their expiry at latest.
-      wait = (first_expiry or now + 1000) - now
+  plans[p] = plan
+end
+
+local function load(plan)
+  if plan.loaded then return end
+  plan.loaded = true
+  for j = 1, plan.n do
+    local x = plan.targets[j]
+    x.starts, x.amounts, x.count = window_decode(redis.call('GET', x.wkey), x.bucket)
+    x.used = window_total(x.starts, x.amounts, x.count, now, x.window, x.bucket, x.boundary)
+    local r, first_expiry = 0, nil
+    local pend = redis.call('HGETALL', x.pkey)
+    for i = 1, #pend, 2 do
+      local amt, exp = string.match(pend[i + 1], '^(%d+):(%d+)$')
+      exp = tonumber(exp)
+      if exp > now then
+        r = r + tonumber(amt)
+        if first_expiry == nil or exp < first_expiry then first_expiry = exp end
+      end
     end
-    if wait == -2 or retry == -2 then retry = -2 elseif wait > retry then retry = wait end
+    x.reserved, x.first_expiry = r, first_expiry
+    x.violated = x.used + x.reserved + x.amount > x.limit
+    x.own = 0
   end
 end
-local answer = {fits and 1 or 0, now, retry, rid}
-for j = 1, n do
-  -- An allow reports the state including its own reservation.
-  local own = fits and tonumber(ARGV[4 + 6 * (j - 1) + 4]) or 0
-  answer[#answer + 1] = used[j]
-  answer[#answer + 1] = reserved[j] + own
-end
-if fits then
-  for j = 1, n do
-    local base = 4 + 6 * (j - 1)
-    local amount = tonumber(ARGV[base + 4])
-    local ttl = tonumber(ARGV[base + 5])
-    redis.call('HSET', KEYS[2 * j + 1], rid, string.format('%d:%d', amount, now + ttl))
-    if redis.call('PTTL', KEYS[2 * j + 1]) < ttl then
-      redis.call('PEXPIRE', KEYS[2 * j + 1], ttl)
+
+-- Milliseconds until every amount counted now has aged out, assuming no new usage and
+-- reservations charged at their estimate in the current bucket.
+local function reset_after(x)
+  local head = now - window_mod(now, x.bucket)
+  local oldest = head - x.window
+  if x.boundary == 'exclude' then oldest = oldest + x.bucket end
+  local last = nil
+  for i = 1, x.count do
+    if x.amounts[i] ~= 0 and x.starts[i] >= oldest then
+      if last == nil or x.starts[i] > last then last = x.starts[i] end
     end
   end
+  if x.reserved + x.own > 0 and (last == nil or head > last) then last = head end
+  if last == nil then return 0 end
+  local gone = last + x.window
+  if x.boundary ~= 'exclude' then gone = gone + x.bucket - 1 end
+  if gone < now then return 0 end
+  return gone - now
+end
+
+-- Earliest wait (ms) until every refusing enforce key fits the full estimate.
+local function retry_of(plan)
+  local retry = -1
+  for j = 1, plan.n do
+    local x = plan.targets[j]
+    if x.violated and not x.observe then
+      local at, never = window_retry_after(x.starts, x.amounts, x.count, now, x.window,
+                                           x.bucket, x.boundary, x.limit, x.reserved, x.amount)
+      local wait
+      if never then
+        wait = -2
+      elseif at then
+        wait = at - now
+      else
+        -- Only in-flight reservations stand in the way: they settle by their expiry at latest.
+        wait = (x.first_expiry or now + 1000) - now
+      end
+      if wait == -2 or retry == -2 then retry = -2 elseif wait > retry then retry = wait end
+    end
+  end
+  return retry
+end
+
+local function capped_amount(x, o)
+  local v = x.cap_s + o * x.cap_r
+  local m = math.fmod(v, x.cap_d)
+  local q = (v - m) / x.cap_d
+  if m > 0 then q = q + 1 end
+  return q
+end
+
+-- Largest output (<= est_out) at which every enforce key fits, or -1.
+local function cap_output(plan)
+  local best = est_out
+  for j = 1, plan.n do
+    local x = plan.targets[j]
+    if not x.observe then
+      local room = x.limit - x.used - x.reserved
+      if x.cap_r == 0 then
+        if x.amount > room then return -1 end
+      elseif room * x.cap_d < 9007199254740992 then
+        local v = room * x.cap_d - x.cap_s
+        if v < 0 then return -1 end
+        local o = (v - math.fmod(v, x.cap_r)) / x.cap_r
+        if o < best then best = o end
+      end
+    end
+  end
+  if best < 1 then return -1 end
+  return best
+end
+
+-- Returns outcome (0 reject, 1 allow, 2 cap, 3 observe_reject, 4 try downgrade), value
+-- (max output for cap, downgrade plan index for 4).
+local function evaluate(plan, may_downgrade)
+  load(plan)
+  local hard, dg, capv, obs, alt = false, false, false, false, nil
+  for j = 1, plan.n do
+    local x = plan.targets[j]
+    if x.violated then
+      if x.observe then
+        obs = true
+      elseif x.on_exceed == 1 then
+        capv = true
+      elseif x.on_exceed == 2 and may_downgrade and x.alt > 0 then
+        dg = true
+        if alt == nil then alt = x.alt end
+      else
+        hard = true
+      end
+    end
+  end
+  if hard then return 0, -1 end
+  if dg then return 4, alt end
+  if capv then
+    local o = cap_output(plan)
+    if o < 0 then return 0, -1 end
+    for j = 1, plan.n do
+      local x = plan.targets[j]
+      if x.cap_r > 0 then x.own = capped_amount(x, o) else x.own = x.amount end
+    end
+    return 2, o
+  end
+  for j = 1, plan.n do plan.targets[j].own = plan.targets[j].amount end
+  if obs then return 3, -1 end
+  return 1, -1
+end
+
+local chosen, outcome, value = 1, evaluate(plans[1], not read_only)
+if outcome == 4 then
+  local alt_outcome, alt_value = evaluate(plans[value], false)
+  if alt_outcome ~= 0 then
+    chosen, outcome = value, alt_outcome
+    value = alt_value
+  else
+    outcome, value = 0, -1
+  end
+end
+local plan = plans[chosen]
+local retry = -1
+if outcome == 0 then
+  retry = retry_of(plan)
+  for j = 1, plan.n do plan.targets[j].own = 0 end
+elseif outcome == 3 then
+  retry = retry_of(plan)
+end
+local max_out = -1
+if outcome == 2 then max_out = value end
+
+local answer = {outcome, now, retry, rid, chosen, max_out, plan.n}
+for j = 1, plan.n do
+  local x = plan.targets[j]
+  answer[#answer + 1] = x.used
+  answer[#answer + 1] = x.reserved
+  answer[#answer + 1] = x.own
+  answer[#answer + 1] = x.violated and 1 or 0
+  answer[#answer + 1] = reset_after(x)
+end
+if outcome ~= 0 and not read_only then
+  for j = 1, plan.n do
+    local x = plan.targets[j]
+    redis.call('HSET', x.pkey, rid, string.format('%d:%d', x.own, now + x.ttl))
+    if redis.call('PTTL', x.pkey) < x.ttl then
+      redis.call('PEXPIRE', x.pkey, x.ttl)
+    end
+  end
+  redis.call('HSET', KEYS[2], 'subject', plan.subject, 'plan', chosen)
+  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
   redis.call('SET', KEYS[1], table.concat(answer, ','), 'PX', tonumber(ARGV[3]))
 end
 local out = {0}
@@ -96,3 +264,19 @@ for i = 1, #answer do out[#out + 1] = answer[i] end
 return out
 """
 )
+
+# Settle an open reservation once: a commit or a release, never both.
+#
+# KEYS[1] the reservation record (hash written by ADMIT)
+# ARGV[1] kind: "commit" or "release"
+# Returns {status, subject JSON}: status "missing" (no such record: expired or never
+# held), "ok" (first settle, or a repeat of the same kind), or "conflict:<kind>" when
+# the reservation was already settled the other way.
+SETTLE = r"""
+local subject = redis.call('HGET', KEYS[1], 'subject')
+if not subject then return {'missing', ''} end
+local settled = redis.call('HGET', KEYS[1], 'settled')
+if settled and settled ~= ARGV[1] then return {'conflict:' .. settled, subject} end
+if not settled then redis.call('HSET', KEYS[1], 'settled', ARGV[1]) end
+return {'ok', subject}
+"""

@@ -1,13 +1,21 @@
-"""Redis access for admission: the policies in force and the atomic admit script."""
+"""Redis access for admission: the policies in force and the atomic admit/settle scripts."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from admission.scripts import ADMIT
+from admission.exceptions import StoreUnavailable
+from admission.metrics import STORE_FAILURES
+from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE
+from schemas.events import Subject
 from schemas.matching import BudgetTarget
 from schemas.policies import Policy
 from schemas.redis_keys import (
@@ -15,93 +23,277 @@ from schemas.redis_keys import (
     policies_key,
     policies_version_key,
     request_key,
+    reservation_key,
     window_key,
 )
 
+logger = logging.getLogger(__name__)
+
 #: How long a request id is remembered for idempotent repeats (>= any reservation TTL).
 IDEMPOTENCY_TTL_MS = 24 * 3_600_000
+#: A reservation record outlives its longest TTL by this, so a late commit still finds it.
+RECORD_GRACE_MS = 3_600_000
+
+Outcome = Literal["reject", "allow", "cap", "observe_reject"]
+_OUTCOMES: tuple[Outcome, ...] = ("reject", "allow", "cap", "observe_reject")
+_ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2}
+_STORE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CapTerms:
+    """How a key's amount depends on the output tokens ``o``: ``ceil((s + o*r) / d)``.
+
+    ``r == 0`` means capping output cannot lower this key's amount.
+    """
+
+    s: int = 0
+    r: int = 0
+    d: int = 1
 
 
 @dataclass(frozen=True, slots=True)
 class Charge:
-    """One budget key to check, with the amount this request would hold on it."""
+    """One budget key to check, with the amount this request would hold on it.
+
+    ``alt`` is the index (0-based, > 0) of the plan to try when this key refuses and
+    its policy downgrades; 0 for none.
+    """
 
     target: BudgetTarget
     amount: int
+    cap: CapTerms = CapTerms()
+    alt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The request for one subject (the original, or with a downgraded model)."""
+
+    subject: Subject
+    charges: tuple[Charge, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """One key as the decision saw it."""
+
+    used: int
+    reserved: int
+    own: int
+    violated: bool
+    reset_after_ms: int
 
 
 @dataclass(frozen=True, slots=True)
 class AdmitResult:
-    """What the admit script decided, with each key's used and reserved amounts."""
+    """What the admit script decided, with the state of each key of the reported plan."""
 
     replayed: bool
-    allowed: bool
+    outcome: Outcome
     now_ms: int
     retry_after_ms: int | None
     never_fits: bool
     reservation_id: str
-    used: tuple[int, ...]
-    reserved: tuple[int, ...]
+    plan: int
+    max_output_tokens: int | None
+    keys: tuple[KeyState, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SettleResult:
+    """The record of a settled reservation: ``status`` ok, missing or conflict."""
+
+    status: Literal["ok", "missing", "conflict"]
+    subject: Subject | None
+    settled_as: str | None = None
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class BudgetStore:
-    """The admission side of Redis."""
+    """The admission side of Redis.
 
-    def __init__(self, client: aioredis.Redis, prefix: str, refresh_s: float) -> None:
+    Every call fails fast with :class:`StoreUnavailable` when Redis does not answer
+    (connection refused, socket timeout), and for ``down_s`` afterwards does not try
+    again, so a dead Redis costs one timeout, not one per request.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str,
+        refresh_s: float,
+        down_s: float = 0.5,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.refresh_s = refresh_s
+        self.down_s = down_s
         self._admit = client.register_script(ADMIT)
-        self._policies: list[Policy] = []
+        self._settle = client.register_script(SETTLE)
+        self._policies: list[Policy] | None = None
         self._version: bytes | str | None = None
         self._checked = 0.0
+        self._down_until = 0.0
+
+    @property
+    def is_down(self) -> bool:
+        """Whether the last call failed less than ``down_s`` ago."""
+        return time.monotonic() < self._down_until
+
+    async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        if self.is_down:
+            STORE_FAILURES.labels(kind="skipped").inc()
+            raise StoreUnavailable(f"Redis is unreachable ({what} skipped; retrying shortly)")
+        try:
+            return await call()
+        except _STORE_ERRORS as exc:
+            self._down_until = time.monotonic() + self.down_s
+            kind = "timeout" if isinstance(exc, RedisTimeoutError | TimeoutError) else "connection"
+            STORE_FAILURES.labels(kind=kind).inc()
+            logger.warning("Redis %s failed: %s", what, exc)
+            raise StoreUnavailable(f"Redis is unreachable: {exc}") from exc
 
     async def policies(self) -> list[Policy]:
-        """The policies the stream processor materialized, re-read when they change."""
-        if time.monotonic() - self._checked < self.refresh_s:
+        """The policies the stream processor materialized, re-read when they change.
+
+        While Redis is down the last policies read are used.
+
+        Raises:
+            StoreUnavailable: Redis is down and no policies were ever read.
+        """
+        if self._policies is not None and time.monotonic() - self._checked < self.refresh_s:
             return self._policies
-        version = await self.client.get(policies_version_key(self.prefix))
-        if version != self._version:
-            raw = await self.client.hgetall(policies_key(self.prefix))
-            self._policies = [Policy.model_validate_json(v) for v in raw.values()]
-            self._version = version
+        try:
+            version = await self._call(
+                "policy version", lambda: self.client.get(policies_version_key(self.prefix))
+            )
+            if version != self._version or self._policies is None:
+                raw = await self._call(
+                    "policies", lambda: self.client.hgetall(policies_key(self.prefix))
+                )
+                self._policies = [Policy.model_validate_json(v) for v in raw.values()]
+                self._version = version
+        except StoreUnavailable:
+            if self._policies is None:
+                raise
         self._checked = time.monotonic()
         return self._policies
 
+    @property
+    def known_policies(self) -> list[Policy] | None:
+        """The policies last read, or None before the first read."""
+        return self._policies
+
     async def admit(
-        self, request_id: str, reservation_id: str, charges: list[Charge]
+        self,
+        request_id: str,
+        reservation_id: str,
+        plans: Sequence[Plan],
+        estimate_output_tokens: int,
+        *,
+        read_only: bool = False,
     ) -> AdmitResult:
-        """Check every charge and reserve on all of them, or on none, in one script."""
-        keys = [request_key(self.prefix, request_id)]
-        args: list[int | str] = [len(charges), reservation_id, IDEMPOTENCY_TTL_MS]
-        for charge in charges:
-            policy = charge.target.policy
-            keys += [
-                window_key(self.prefix, charge.target.key),
-                pending_key(self.prefix, charge.target.key),
-            ]
-            args += [
-                policy.limit,
-                policy.window_ms,
-                policy.bucket_ms,
-                policy.boundary,
-                charge.amount,
-                policy.reservation_ttl_ms,
-            ]
-        raw = await self._admit(keys=keys, args=args)
-        replayed, allowed, now_ms, retry, rid, *rest = raw
+        """Decide over every plan's keys and reserve on all of one plan's keys, or none.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+        """
+        keys = [
+            request_key(self.prefix, request_id),
+            reservation_key(self.prefix, reservation_id),
+        ]
+        record_ttl_ms = RECORD_GRACE_MS
+        args: list[int | str] = [
+            int(read_only),
+            reservation_id,
+            IDEMPOTENCY_TTL_MS,
+            0,  # replaced below
+            estimate_output_tokens,
+            len(plans),
+        ]
+        for plan in plans:
+            args += [plan.subject.model_dump_json(exclude_defaults=True), len(plan.charges)]
+            for charge in plan.charges:
+                policy = charge.target.policy
+                keys += [
+                    window_key(self.prefix, charge.target.key),
+                    pending_key(self.prefix, charge.target.key),
+                ]
+                record_ttl_ms = max(record_ttl_ms, policy.reservation_ttl_ms + RECORD_GRACE_MS)
+                args += [
+                    policy.limit,
+                    policy.window_ms,
+                    policy.bucket_ms,
+                    policy.boundary,
+                    charge.amount,
+                    policy.reservation_ttl_ms,
+                    int(policy.mode == "observe"),
+                    _ON_EXCEED[policy.on_exceed],
+                    charge.alt + 1 if charge.alt else 0,
+                    charge.cap.s,
+                    charge.cap.r,
+                    charge.cap.d,
+                ]
+        args[3] = record_ttl_ms
+        raw = await self._call("admit", lambda: self._admit(keys=keys, args=args))
+        replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
         retry = int(retry)
+        per = ADMIT_REPLY_PER_TARGET
+        states = tuple(
+            KeyState(
+                used=int(rest[i]),
+                reserved=int(rest[i + 1]),
+                own=int(rest[i + 2]),
+                violated=bool(int(rest[i + 3])),
+                reset_after_ms=int(rest[i + 4]),
+            )
+            for i in range(0, int(n) * per, per)
+        )
         return AdmitResult(
             replayed=bool(int(replayed)),
-            allowed=bool(int(allowed)),
+            outcome=_OUTCOMES[int(outcome)],
             now_ms=int(now_ms),
             retry_after_ms=retry if retry >= 0 else None,
             never_fits=retry == -2,
-            reservation_id=rid.decode() if isinstance(rid, bytes) else str(rid),
-            used=tuple(int(v) for v in rest[0::2]),
-            reserved=tuple(int(v) for v in rest[1::2]),
+            reservation_id=_text(rid),
+            plan=int(plan) - 1,
+            max_output_tokens=int(max_out) if int(max_out) >= 0 else None,
+            keys=states,
         )
+
+    async def reservation_subject(self, reservation_id: str) -> Subject | None:
+        """The subject an open reservation was made for, or None.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+        """
+        key = reservation_key(self.prefix, reservation_id)
+        raw = await self._call("reservation", lambda: self.client.hget(key, "subject"))
+        return None if raw is None else Subject.model_validate_json(raw)
+
+    async def settle(self, reservation_id: str, kind: str) -> SettleResult:
+        """Mark a reservation committed or released, once.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+        """
+        key = reservation_key(self.prefix, reservation_id)
+        status, subject = await self._call(
+            "settle", lambda: self._settle(keys=[key], args=[kind])
+        )
+        text = _text(status)
+        if text == "missing":
+            return SettleResult("missing", None)
+        parsed = Subject.model_validate_json(subject)
+        if text.startswith("conflict:"):
+            return SettleResult("conflict", parsed, text.removeprefix("conflict:"))
+        return SettleResult("ok", parsed)
 
     async def ping(self) -> bool:
         """True when Redis answers."""
-        return bool(await self.client.ping())
+        return bool(await self._call("ping", self.client.ping))

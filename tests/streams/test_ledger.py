@@ -106,3 +106,21 @@ class TestLateEvents:
         change = apply(state, rec("b", at=80_000))
         assert change.pruned
         assert state.buckets == {80_000: 10}
+
+
+class TestPolicyChanges:
+    def test_a_new_bucket_width_moves_amounts_to_the_bucket_holding_their_end(self) -> None:
+        state = KeyState()
+        apply(state, rec("a", at=100_000))  # 5 s buckets: [100 s, 105 s)
+        wide = KeyedRecord.from_json({**rec("b", at=101_000).to_json(), "bucket_ms": 10_000})
+        apply(state, wide)
+        # [100 s, 105 s) ends at 104.999 s, inside the 10 s bucket [100 s, 110 s).
+        assert state.buckets == {100_000: 20}
+        assert state.bucket_ms == 10_000
+
+    def test_narrower_buckets_never_age_usage_out_earlier(self) -> None:
+        state = KeyState()
+        ten = {**rec("a", at=100_000).to_json(), "bucket_ms": 10_000}
+        apply(state, KeyedRecord.from_json(ten))
+        apply(state, rec("b", at=109_000))
+        assert state.buckets == {105_000: 20}

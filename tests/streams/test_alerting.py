@@ -1,0 +1,81 @@
+"""Alert rules: once per crossing, re-armed under the line, deterministic ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streams.alerting import evaluate
+from streams.ledger import KeyedRecord, KeyState, apply
+
+
+def rec(event_id: str, at: int, amount: int, kind: str = "commit", **extra: Any) -> KeyedRecord:
+    return KeyedRecord(
+        event_id=event_id,
+        kind=kind,
+        policy="p",
+        key="p|tenant=a",  # type: ignore[arg-type]
+        occurred_ms=at,
+        amount=amount,
+        window_ms=60_000,
+        bucket_ms=5_000,
+        horizon_ms=3_660_000,
+        limit=100,
+        thresholds=(0.5, 0.8, 1.0),
+        **extra,
+    )
+
+
+def run(records: list[KeyedRecord]) -> list[tuple[str, float | None, str]]:
+    state = KeyState()
+    out = []
+    for r in records:
+        apply(state, r)
+        out += [(a.kind, a.threshold, a.alert_id) for a in evaluate(state, r)]
+    return out
+
+
+class TestThresholds:
+    def test_each_threshold_fires_once_per_crossing(self) -> None:
+        fired = run(
+            [rec("a", 1_000, 40), rec("b", 2_000, 20), rec("c", 3_000, 5), rec("d", 4_000, 35)]
+        )
+        assert [(k, t) for k, t, _ in fired] == [
+            ("threshold", 0.5),
+            ("threshold", 0.8),
+            ("threshold", 1.0),
+            ("exhausted", None),
+        ]
+
+    def test_a_threshold_re_arms_after_usage_ages_out(self) -> None:
+        fired = run([rec("a", 1_000, 60), rec("b", 70_000, 1), rec("c", 71_000, 60)])
+        halves = [i for k, t, i in fired if t == 0.5]
+        assert len(halves) == 2 and halves[0] != halves[1]
+
+    def test_replaying_the_same_records_gives_the_same_ids(self) -> None:
+        records = [rec("a", 1_000, 60), rec("b", 70_000, 1), rec("c", 71_000, 90)]
+        assert run(records) == run(records)
+
+
+class TestExpiry:
+    def test_an_open_reservation_is_reported_once_when_the_key_clock_passes_expiry(
+        self,
+    ) -> None:
+        fired = run(
+            [
+                rec("r", 1_000, 10, kind="reserve", reservation_id="x", expires_ms=20_000),
+                rec("a", 19_000, 1),
+                rec("b", 21_000, 1),
+                rec("c", 22_000, 1),
+            ]
+        )
+        assert [k for k, _, _ in fired] == ["reservation_expired"]
+
+    def test_a_committed_reservation_never_expires(self) -> None:
+        fired = run(
+            [
+                rec("r", 1_000, 10, kind="reserve", reservation_id="x", expires_ms=20_000),
+                rec("c", 2_000, 8, reservation_id="x"),
+                rec("a", 30_000, 1),
+            ]
+        )
+        assert fired == []
