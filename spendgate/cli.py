@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -28,7 +30,9 @@ schema = typer.Typer(
 )
 app.add_typer(dev, name="dev")
 app.add_typer(policy, name="policy")
+alerts = typer.Typer(help="Read budget alerts.", no_args_is_help=True)
 app.add_typer(schema, name="schema")
+app.add_typer(alerts, name="alerts")
 console = Console(stderr=True)
 
 
@@ -151,6 +155,91 @@ def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id."
 
     delete_policy(WorkerSettings(), policy_id)
     console.print(f"deleted {policy_id}")
+
+
+@app.command("replay")
+def replay(
+    since: Annotated[
+        datetime | None,
+        typer.Option("--from", help="Start at this time (ISO 8601) instead of the beginning."),
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Compare with Redis; exit 1 on any difference.")
+    ] = False,
+    emit_alerts: Annotated[
+        bool, typer.Option("--emit-alerts", help="Publish the rebuilt alerts (same ids).")
+    ] = False,
+) -> None:
+    """Rebuild every budget window from the usage topic and restore it into Redis.
+
+    Stop the workers first; with --verify nothing is written. The worker's own RocksDB
+    tables rebuild themselves from their changelog topic when their folder is wiped.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from streams.replay import run_replay
+    from streams.settings import WorkerSettings
+
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("replaying usage", total=None)
+        summary = run_replay(
+            WorkerSettings(),
+            since=since,
+            verify=verify,
+            emit_alerts=emit_alerts,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())) or "none"
+    console.print(
+        f"read {summary.records} records ({summary.dead_lettered} dead-letter reasons, "
+        f"{summary.clamped} clamped); keyed records: {outcomes}; {summary.keys} budget keys; "
+        f"{len(summary.alerts)} alerts" + ("" if verify else "; Redis restored")
+    )
+    if verify:
+        if summary.differences:
+            for key in summary.differences[:20]:
+                console.print(f"[red]differs[/] {key}")
+            console.print(f"[red]{len(summary.differences)} budget keys differ[/]")
+            raise typer.Exit(1)
+        console.print("[green]verified:[/] Redis equals the rebuilt windows")
+
+
+@alerts.command("tail")
+def alerts_tail(
+    from_beginning: Annotated[
+        bool, typer.Option("--from-beginning", help="Start at the oldest alert.")
+    ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow/--no-follow", help="Keep waiting for new alerts.")
+    ] = True,
+) -> None:
+    """Print alerts from the alerts topic, one readable line each."""
+    import asyncio
+
+    from streams.alert_feed import describe, read_alerts
+    from streams.settings import WorkerSettings
+
+    settings = WorkerSettings()
+
+    async def run() -> None:
+        async for alert in read_alerts(
+            settings.kafka_bootstrap,
+            settings.topic("alerts"),
+            from_beginning=from_beginning,
+            follow=follow,
+        ):
+            Console().print(describe(alert), soft_wrap=True, highlight=False)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
 
 
 @schema.command("export")

@@ -1,0 +1,56 @@
+"""Read alerts back from the alerts topic (``spendgate alerts tail``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import ValidationError
+
+from schemas.alerts import Alert
+
+
+async def read_alerts(
+    bootstrap: str, topic: str, *, from_beginning: bool, follow: bool
+) -> AsyncIterator[Alert]:
+    """Yield alerts in topic order; stop at the current end unless ``follow``."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        if not tps:
+            return
+        consumer.assign(tps)
+        end = await consumer.end_offsets(tps)
+        if from_beginning:
+            await consumer.seek_to_beginning(*tps)
+        else:
+            await consumer.seek_to_end(*tps)
+        while True:
+            positions = {tp: await consumer.position(tp) for tp in tps}
+            if not follow and all(positions[tp] >= end[tp] for tp in tps):
+                return
+            batch = await consumer.getmany(*tps, timeout_ms=500)
+            for messages in batch.values():
+                for msg in messages:
+                    try:
+                        yield Alert.model_validate_json(msg.value or b"")
+                    except ValidationError:
+                        continue  # not ours; the topic may be shared
+    finally:
+        await consumer.stop()
+
+
+def describe(alert: Alert) -> str:
+    """One readable line for a terminal."""
+    what = {
+        "threshold": f"crossed {alert.threshold:.0%}" if alert.threshold is not None else "",
+        "exhausted": "exhausted",
+        "reservation_expired": f"reservation {alert.reservation_id} expired, charged in full",
+        "store_failure": "store unreachable",
+    }[alert.kind]
+    share = alert.used / alert.limit
+    return (
+        f"{alert.at:%Y-%m-%d %H:%M:%S}Z  {alert.kind:<19} {alert.key}  {what}  "
+        f"used {alert.used}/{alert.limit} ({share:.0%})  id {alert.alert_id}"
+    )
