@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
 
 from schemas.alerts import Alert
+from streams.kafka_util import partitions, stop
 
 
 async def read_alerts(
@@ -17,7 +18,7 @@ async def read_alerts(
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        tps = await partitions(consumer, topic)
         if not tps:
             return
         consumer.assign(tps)
@@ -38,7 +39,7 @@ async def read_alerts(
                     except ValidationError:
                         continue  # not ours; the topic may be shared
     finally:
-        await consumer.stop()
+        await stop(consumer)
 
 
 def describe(alert: Alert) -> str:

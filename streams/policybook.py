@@ -10,6 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from schemas.policies import Policy
+from streams.kafka_util import stop
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class PolicyBook:
                     if message.offset + 1 >= end:
                         self.ready.set()
         finally:
-            await consumer.stop()
+            await stop(consumer)
 
 
 async def read_policies(bootstrap: str, topic: str) -> dict[str, Policy]:

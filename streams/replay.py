@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from schemas import window_codec
 from schemas.alerts import Alert
@@ -23,6 +23,7 @@ from schemas.redis_keys import pending_key, window_key
 from schemas.windows import WindowSpec
 from streams.alerting import evaluate
 from streams.fanout import fan_out
+from streams.kafka_util import partitions, stop
 from streams.ledger import KeyedRecord, KeyState, apply
 from streams.policybook import read_policies
 from streams.settings import WorkerSettings
@@ -69,8 +70,7 @@ async def _read(
     )
     await consumer.start()
     try:
-        parts = consumer.partitions_for_topic(settings.topic("usage")) or set()
-        tps = [TopicPartition(settings.topic("usage"), p) for p in sorted(parts)]
+        tps = await partitions(consumer, settings.topic("usage"))
         consumer.assign(tps)
         end = await consumer.end_offsets(tps)
         start = {tp: 0 for tp in tps}
@@ -105,7 +105,7 @@ async def _read(
             if progress is not None:
                 progress(summary.records, total)
     finally:
-        await consumer.stop()
+        await stop(consumer)
 
 
 def _one(

@@ -4,53 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 import uuid
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from aiokafka import AIOKafkaProducer
 
-from schemas import window_codec
-from schemas.events import CommitEvent, partition_key
-from schemas.redis_keys import pending_key, window_key
 from streams.settings import WorkerSettings
 from tests.fixtures.factories import CommitFactory, PolicyFactory
+from tests.fixtures.kafka_io import eventually, pending_sum, produce, window_sum
 from tests.fixtures.pipeline import ApplyPolicies
 
 pytestmark = pytest.mark.integration
-
-
-def _window_total(client: redis.Redis, prefix: str, key: str) -> int:
-    raw = client.get(window_key(prefix, key))
-    return sum(window_codec.decode(raw).buckets.values()) if raw else 0
-
-
-def _pending_total(client: redis.Redis, prefix: str, key: str) -> int:
-    return sum(int(v.split(b":")[0]) for v in client.hvals(pending_key(prefix, key)))
-
-
-async def _produce(settings: WorkerSettings, events: list[CommitEvent]) -> None:
-    async with AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True
-    ) as producer:
-        for event in events:
-            await producer.send(
-                settings.topic("usage"),
-                event.model_dump_json().encode(),
-                key=partition_key(event.subject),
-            )
-        await producer.flush()
-
-
-async def _eventually(check: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout_s}s: {check}")
-        await asyncio.sleep(0.2)
 
 
 def _admit_body(tenant: str, tokens: int) -> dict[str, Any]:
@@ -77,9 +43,13 @@ class TestPipeline:
         key = f"{policy.id}|tenant=acme"
         events = [commit_factory(input_tokens=100, output_tokens=50) for _ in range(4)]
         # A duplicate delivery of the first event must not count again.
-        await _produce(worker_settings, [*events, events[0]])
+        await produce(
+            worker_settings.kafka_bootstrap,
+            worker_settings.topic("usage"),
+            [(b"acme", e.model_dump_json().encode()) for e in [*events, events[0]]],
+        )
         prefix = worker_settings.redis_prefix
-        await _eventually(lambda: _window_total(redis_sync, prefix, key) == 600)
+        await eventually(lambda: window_sum(redis_sync, prefix, key) == 600)
 
         refused = await admission_client.post("/v1/admit", json=_admit_body("acme", 401))
         assert refused.status_code == 429, refused.text
@@ -96,8 +66,8 @@ class TestPipeline:
 
         # The worker absorbs the reservation from its reserve event: pending moves into the
         # window without a gap or a double count.
-        await _eventually(lambda: _pending_total(redis_sync, prefix, key) == 0)
-        assert _window_total(redis_sync, prefix, key) == 1000
+        await eventually(lambda: pending_sum(redis_sync, prefix, key) == 0)
+        assert window_sum(redis_sync, prefix, key) == 1000
 
         never = await admission_client.post("/v1/admit", json=_admit_body("acme", 5000))
         assert never.status_code == 429
@@ -127,7 +97,7 @@ class TestPipeline:
         assert set(statuses) <= {200, 429}
         admitted = statuses.count(200)
         assert admitted == policy.limit // estimate
-        held = _pending_total(redis_sync, worker_settings.redis_prefix, key) + _window_total(
+        held = pending_sum(redis_sync, worker_settings.redis_prefix, key) + window_sum(
             redis_sync, worker_settings.redis_prefix, key
         )
         assert held == admitted * estimate <= policy.limit
@@ -171,10 +141,10 @@ class TestPipeline:
             "/v1/release", json={"reservation_id": freed["reservation_id"]}
         )
         assert committed.status_code == released.status_code == 202
-        await _eventually(
+        await eventually(
             lambda: (
-                _pending_total(redis_sync, prefix, key) == 0
-                and _window_total(redis_sync, prefix, key) == 120
+                pending_sum(redis_sync, prefix, key) == 0
+                and window_sum(redis_sync, prefix, key) == 120
             )
         )
         unknown = await admission_client.post("/v1/release", json={"reservation_id": "nope"})
