@@ -10,6 +10,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import pytest
 import redis
 
@@ -18,9 +19,10 @@ from schemas.deadletter import DeadLetter
 from schemas.redis_keys import window_key
 from streams.replay import replay
 from streams.settings import WorkerSettings
+from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, produce, read_all, window_sum
-from tests.fixtures.pipeline import ApplyPolicies
+from tests.fixtures.pipeline import ApplyPolicies, Workers
 
 pytestmark = pytest.mark.integration
 
@@ -187,3 +189,41 @@ class TestWorker:
         assert summary.outcomes == {"applied": 60, "duplicate": 2}
         assert {k: buckets(redis_sync, prefix, k) for k in keys} == before
         assert not (await replay(worker_settings, verify=True)).differences
+
+
+class TestMetrics:
+    async def test_the_worker_exports_counts_lag_and_offsets(
+        self,
+        workers: Workers,
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
+    ) -> None:
+        port = free_port()
+        workers.start(metrics_port=port)
+        policy = policy_factory(unit="input_tokens", limit=10_000)
+        await apply_policies(policy)
+        first = event()
+        await send(
+            worker_settings, first, first, b"junk", event(at=datetime.now(UTC) + timedelta(days=9))
+        )
+        key = f"{policy.id}|tenant=acme"
+        await eventually(lambda: window_sum(redis_sync, worker_settings.redis_prefix, key) == 20)
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+
+        def value(name: str) -> float:
+            lines = [
+                ln
+                for ln in text.splitlines()
+                if ln.startswith(name + " ") or ln.startswith(name + "{")
+            ]
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+        assert value('spendgate_events_total{kind="commit",outcome="counted"}') == 3
+        assert value('spendgate_keyed_records_total{outcome="duplicate"}') == 1
+        assert value("spendgate_clamped_total") == 1
+        assert value("spendgate_dead_lettered_total") == 1
+        assert value("spendgate_processing_lag_seconds_count") >= 2
+        assert value("spendgate_consumer_offset") >= 3
