@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from admission.app import create_app
+from admission.auth import Authorizer
+from admission.client import AdmissionClient, AsyncAdmissionClient
 from admission.publisher import KafkaPublisher, UsagePublisher
 from admission.settings import AdmissionSettings
-from admission.store import AdmitResult, BudgetStore, Charge
+from admission.store import AdmitResult, BudgetStore, Charge, Plan
 
 __all__ = [
+    "AdmissionClient",
     "AdmissionSettings",
     "AdmitResult",
+    "AsyncAdmissionClient",
+    "Authorizer",
     "BudgetStore",
     "Charge",
     "KafkaPublisher",
+    "Plan",
     "UsagePublisher",
     "create_app",
 ]

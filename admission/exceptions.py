@@ -1,20 +1,33 @@
-"""Errors of the admission service, each mapped to one HTTP answer.
+"""Errors of the admission service and its client.
 
 Tree::
 
     SpendgateError
-    └── AdmissionError            (status, code)
-        ├── BadRequest            400 the body or query is wrong (names the field)
-        ├── UnknownReservation    404 commit/release of a reservation not held here
-        ├── Unprocessable         422 usage cannot be priced or counted
-        └── StoreUnavailable      503 Redis cannot be reached and the policy fails closed
+    ├── AdmissionError              (status, code) answered as {error: {code, message, field?}}
+    │   ├── BadRequest              400 the body or query is wrong (names the field)
+    │   ├── Unauthorized            401 no bearer token, or an unknown one
+    │   ├── Forbidden               403 the token may not act for this tenant
+    │   ├── UnknownReservation      404 commit/release of a reservation not held here
+    │   ├── AlreadySettled          409 the reservation was settled the other way
+    │   ├── PayloadTooLarge         413 the body is over the size limit
+    │   ├── UnsupportedMediaType    415 the body is not JSON
+    │   ├── Unprocessable           422 usage cannot be priced or counted
+    │   ├── StoreUnavailable        503 Redis cannot be reached and the policy fails closed
+    │   └── PublishUnavailable      503 the publish buffer is full and the policy fails closed
+    └── AdmissionClientError        raised by admission.client
+        ├── BudgetExceeded          429: carries retry_after_seconds / never_fits
+        ├── AdmissionRequestError   any other 4xx: carries status, code, message, field
+        └── AdmissionUnavailable    the service kept failing (connection errors, 5xx)
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from schemas.exceptions import SpendgateError
+
+if TYPE_CHECKING:
+    from schemas.decisions import Decision
 
 
 class AdmissionError(SpendgateError):
@@ -33,11 +46,46 @@ class BadRequest(AdmissionError):
     """The request is malformed: fix the field named in the message."""
 
 
+class Unauthorized(AdmissionError):
+    """No bearer token or an unknown one: send ``Authorization: Bearer <token>``."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(AdmissionError):
+    """The token may not act for this tenant: use a token bound to it."""
+
+    status = 403
+    code = "forbidden"
+
+
 class UnknownReservation(AdmissionError):
     """No open reservation has this id: it expired, was settled, or never existed."""
 
     status = 404
     code = "unknown_reservation"
+
+
+class AlreadySettled(AdmissionError):
+    """The reservation was already released (or committed): it cannot be settled again."""
+
+    status = 409
+    code = "already_settled"
+
+
+class PayloadTooLarge(AdmissionError):
+    """The body is over the size limit: send less (estimates and usage are small)."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(AdmissionError):
+    """The body is not JSON: send ``Content-Type: application/json``."""
+
+    status = 415
+    code = "unsupported_media_type"
 
 
 class Unprocessable(AdmissionError):
@@ -52,4 +100,48 @@ class StoreUnavailable(AdmissionError):
 
     status = 503
     code = "store_unavailable"
+    retriable = True
+
+
+class PublishUnavailable(AdmissionError):
+    """The publish buffer is full (Kafka unreachable) and the policy fails closed: check Kafka."""
+
+    status = 503
+    code = "publish_unavailable"
+    retriable = True
+
+
+class AdmissionClientError(SpendgateError):
+    """Raised by :mod:`admission.client`."""
+
+
+class BudgetExceeded(AdmissionClientError):
+    """A budget refused the request (429): wait ``retry_after_seconds``, or shrink it when
+    ``never_fits``."""
+
+    def __init__(self, decision: Decision) -> None:
+        wait = (
+            "never fits" if decision.never_fits else f"retry after {decision.retry_after_seconds}s"
+        )
+        super().__init__(f"budget exceeded ({', '.join(decision.violated) or '?'}): {wait}")
+        self.decision = decision
+        self.retry_after_seconds = decision.retry_after_seconds
+        self.never_fits = decision.never_fits
+        self.violated = list(decision.violated)
+
+
+class AdmissionRequestError(AdmissionClientError):
+    """The service refused the call (4xx other than 429): fix what the message names."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class AdmissionUnavailable(AdmissionClientError):
+    """The service kept failing (connection errors or 5xx) after every retry: check it."""
+
     retriable = True

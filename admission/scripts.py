@@ -129,12 +129,12 @@ local function reset_after(x)
   return gone - now
 end
 
--- Earliest wait (ms) until every refusing enforce key fits the full estimate.
-local function retry_of(plan)
+-- Earliest wait (ms) until every refusing enforce key (or observe key) fits the estimate.
+local function retry_of(plan, observe)
   local retry = -1
   for j = 1, plan.n do
     local x = plan.targets[j]
-    if x.violated and not x.observe then
+    if x.violated and x.observe == observe then
       local at, never = window_retry_after(x.starts, x.amounts, x.count, now, x.window,
                                            x.bucket, x.boundary, x.limit, x.reserved, x.amount)
       local wait
@@ -230,10 +230,10 @@ end
 local plan = plans[chosen]
 local retry = -1
 if outcome == 0 then
-  retry = retry_of(plan)
+  retry = retry_of(plan, false)
   for j = 1, plan.n do plan.targets[j].own = 0 end
 elseif outcome == 3 then
-  retry = retry_of(plan)
+  retry = retry_of(plan, true)
 end
 local max_out = -1
 if outcome == 2 then max_out = value end

@@ -9,8 +9,12 @@ from contextlib import asynccontextmanager
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
+from redis.asyncio import BlockingConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from admission.app import create_app
+from admission.auth import Authorizer, load_tokens
 from admission.publisher import KafkaPublisher
 from admission.settings import AdmissionSettings
 from admission.store import BudgetStore
@@ -19,17 +23,40 @@ from schemas.prices import load_catalog
 logger = logging.getLogger(__name__)
 
 
+def redis_client(settings: AdmissionSettings) -> aioredis.Redis:
+    """A Redis client that gives up fast: short timeouts and no hidden retries.
+
+    The failure modes decide what happens when Redis is gone; redis-py's default retries
+    would only multiply the time a caller waits for that answer.
+    """
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_connections,
+        # Waiting for a pooled connection is bounded too: a stuck pool is a failing store.
+        timeout=max(1.0, settings.redis_timeout_s),
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
 def build_app(settings: AdmissionSettings) -> FastAPI:
     """The admission app whose lifespan opens Redis and the Kafka producer."""
-    client = aioredis.Redis.from_url(settings.redis_url)
-    store = BudgetStore(client, settings.redis_prefix, settings.policy_refresh_s)
+    client = redis_client(settings)
+    store = BudgetStore(
+        client, settings.redis_prefix, settings.policy_refresh_s, settings.redis_down_s
+    )
     publisher = KafkaPublisher(
         settings.kafka_bootstrap, settings.topic("usage"), settings.publish_buffer
+    )
+    authorizer = Authorizer(
+        load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if settings.auth_tokens_file is None:
+        if not authorizer.enabled:
             logger.warning(
                 "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
             )
@@ -40,7 +67,14 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
                 await client.aclose()
 
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
-    return create_app(store, publisher, prices, lifespan=lifespan)
+    return create_app(
+        store,
+        publisher,
+        prices,
+        lifespan=lifespan,
+        authorizer=authorizer,
+        max_body_bytes=settings.max_body_bytes,
+    )
 
 
 def serve(settings: AdmissionSettings) -> None:

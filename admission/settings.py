@@ -22,11 +22,20 @@ class AdmissionSettings(BaseSettings):
     prices_file: Path | None = None
     admission_host: str = "127.0.0.1"
     admission_port: int = Field(8787, ge=1, le=65535)
+    #: YAML/JSON mapping bearer token -> list of tenants (or "*"); none: auth is off.
     auth_tokens_file: Path | None = None
     #: How often the policies materialized in Redis are re-read.
     policy_refresh_s: float = Field(1.0, gt=0)
-    #: Events waiting to be published; beyond this, admits are refused with 503.
+    #: Events waiting to be published or acked; when full, the failure mode decides.
     publish_buffer: int = Field(10_000, ge=1)
+    #: Redis socket and connect timeout: a dead Redis must not stall admission.
+    redis_timeout_s: float = Field(0.25, gt=0)
+    #: Connections to Redis per process (a burst waits for one instead of opening more).
+    redis_connections: int = Field(32, ge=1)
+    #: After a Redis failure, answer from the failure mode this long before trying again.
+    redis_down_s: float = Field(0.5, ge=0)
+    #: Larger request bodies are refused with 413.
+    max_body_bytes: int = Field(65_536, ge=1024)
 
     def topic(self, name: str) -> str:
         """The full name of one of spendgate's topics (``usage`` -> ``budget.usage``)."""

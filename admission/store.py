@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -139,6 +140,7 @@ class BudgetStore:
         self._version: bytes | str | None = None
         self._checked = 0.0
         self._down_until = 0.0
+        self._refreshing = asyncio.Lock()
 
     @property
     def is_down(self) -> bool:
@@ -166,6 +168,13 @@ class BudgetStore:
         Raises:
             StoreUnavailable: Redis is down and no policies were ever read.
         """
+        if self._policies is not None and time.monotonic() - self._checked < self.refresh_s:
+            return self._policies
+        async with self._refreshing:
+            return await self._refresh()
+
+    async def _refresh(self) -> list[Policy]:
+        # Another caller may have refreshed while this one waited for the lock.
         if self._policies is not None and time.monotonic() - self._checked < self.refresh_s:
             return self._policies
         try:
@@ -283,9 +292,7 @@ class BudgetStore:
             StoreUnavailable: Redis did not answer.
         """
         key = reservation_key(self.prefix, reservation_id)
-        status, subject = await self._call(
-            "settle", lambda: self._settle(keys=[key], args=[kind])
-        )
+        status, subject = await self._call("settle", lambda: self._settle(keys=[key], args=[kind]))
         text = _text(status)
         if text == "missing":
             return SettleResult("missing", None)

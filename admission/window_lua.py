@@ -7,7 +7,9 @@ runs both on thousands of random cases) and provides:
 
 * ``window_decode(raw, bucket_ms) -> starts, amounts, n``: decode a value written by
   ``schemas.window_codec.encode`` (``raw`` false/nil for a missing key means empty) into
-  parallel arrays sorted by bucket start; raises on a wrong version or ``bucket_ms``.
+  parallel arrays sorted by bucket start, in ``bucket_ms`` buckets: a value stored in
+  another width (the policy's bucket changed) is moved as ``schemas.windows.rebucket``
+  does; raises on a wrong format version.
 * ``window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total``.
 * ``window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
   extra, amount) -> fits_at_ms | nil, never_fits``: as ``schemas.windows.retry_after``.
@@ -66,10 +68,6 @@ local function window_decode(raw, bucket_ms)
   if version ~= 1 then
     error('spendgate window state: unknown format version ' .. tostring(version))
   end
-  if stored_ms ~= bucket_ms then
-    error('spendgate window state: stored bucket_ms ' .. tostring(stored_ms)
-      .. ' differs from ' .. tostring(bucket_ms))
-  end
   -- Unpacked up to 128 entries per call: one struct.unpack per entry costs twice as much.
   local done = 0
   if kind == 1 then
@@ -100,6 +98,29 @@ local function window_decode(raw, bucket_ms)
     end
   else
     error('spendgate window state: unknown kind ' .. tostring(kind))
+  end
+  if stored_ms ~= bucket_ms then
+    -- The policy's bucket changed and the worker has not rewritten this key yet: move each
+    -- old bucket to the new bucket holding its last millisecond (schemas.windows.rebucket,
+    -- as the worker will), so nothing ages out earlier than before.
+    local ns, na, nn = {}, {}, 0
+    for i = 1, n do
+      local last = starts[i] + stored_ms - 1
+      local target = last - window_mod(last, bucket_ms)
+      if nn > 0 and ns[nn] == target then
+        na[nn] = na[nn] + amounts[i]
+      else
+        nn = nn + 1
+        ns[nn], na[nn] = target, amounts[i]
+      end
+    end
+    starts, amounts, n = {}, {}, 0
+    for i = 1, nn do
+      if na[i] ~= 0 then
+        n = n + 1
+        starts[n], amounts[n] = ns[i], na[i]
+      end
+    end
   end
   return starts, amounts, n
 end

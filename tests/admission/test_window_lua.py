@@ -18,6 +18,7 @@ from schemas.windows import (
     Buckets,
     WindowSpec,
     add,
+    rebucket,
     retry_after,
     total,
 )
@@ -156,12 +157,24 @@ class TestWindowLuaLib:
         reply = script(keys=[f"{key_prefix}absent"], args=[0, 60_000, 10_000, "prorate", 10, 0, 11])
         assert reply == [0, -1, 1]
 
-    def test_bucket_mismatch_is_an_error(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+    @pytest.mark.parametrize("new_bucket_ms", [5_000, 10_000, 15_000, 20_000])
+    def test_a_changed_bucket_width_is_rebucketed_like_the_worker(
+        self, redis_sync: redis.Redis, key_prefix: str, new_bucket_ms: int
+    ) -> None:
+        rng = random.Random(new_bucket_ms)
+        t_ms = 1_700_000_000_000 + rng.randrange(60_000)
+        old: Buckets = {}
+        for _ in range(40):
+            start = t_ms - rng.randrange(0, 120_000)
+            start -= start % 10_000
+            old[start] = old.get(start, 0) + rng.randint(1, 1000)
+        spec = WindowSpec(60_000, new_bucket_ms, "include")
+        moved = rebucket(old, 10_000, new_bucket_ms)
         key = f"{key_prefix}w"
-        redis_sync.set(key, encode({0: 1}, 10_000))
+        redis_sync.set(key, encode(old, 10_000))
         script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
-        with pytest.raises(redis.ResponseError, match="bucket_ms"):
-            script(keys=[key], args=[0, 60_000, 5_000, "include", 10, 0, 1])
+        args = [t_ms, 60_000, new_bucket_ms, "include", 10**9, 0, 1]
+        assert script(keys=[key], args=args)[0] == total(spec, moved, t_ms)
 
     def test_unknown_boundary_is_an_error(self, redis_sync: redis.Redis, key_prefix: str) -> None:
         script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)

@@ -1,0 +1,119 @@
+"""Bearer tokens bound to the tenants they may act for.
+
+The tokens file (``SPENDGATE_AUTH_TOKENS_FILE``, YAML or JSON) maps each token to a list
+of tenants, or to ``"*"`` for every tenant::
+
+    s3cr3t-acme: [acme]
+    s3cr3t-ops: "*"
+
+Only SHA-256 digests of the tokens are kept in memory and compared in constant time;
+no token is ever logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from admission.exceptions import Forbidden, Unauthorized
+from schemas.exceptions import ConfigurationError
+
+__all__ = ["ALL_TENANTS", "Authorizer", "Principal", "load_tokens"]
+
+#: The grant of a token that may act for every tenant.
+ALL_TENANTS = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the tenants it may act for (``None``: every tenant)."""
+
+    tenants: frozenset[str] | None
+
+    def check(self, tenant: str | None, what: str = "subject.tenant") -> None:
+        """Raise :class:`Forbidden` unless this principal may act for ``tenant``.
+
+        A restricted token may not act for a subject without a tenant.
+        """
+        if self.tenants is None:
+            return
+        if tenant is None or tenant not in self.tenants:
+            shown = repr(tenant) if tenant is not None else "(no tenant)"
+            raise Forbidden(f"this token may not act for tenant {shown}", what)
+
+
+#: The principal when auth is off.
+ANYONE = Principal(None)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Authorizer:
+    """Resolve an ``Authorization`` header to a :class:`Principal`."""
+
+    def __init__(self, grants: dict[str, frozenset[str] | None] | None) -> None:
+        """Args: grants: token -> tenants (``None``: all); ``None`` turns auth off."""
+        self.enabled = grants is not None
+        self._grants = [(_digest(t), tenants) for t, tenants in (grants or {}).items()]
+
+    def principal(self, authorization: str | None) -> Principal:
+        """The caller behind ``authorization``.
+
+        Raises:
+            Unauthorized: auth is on and the header is missing, malformed or unknown.
+        """
+        if not self.enabled:
+            return ANYONE
+        if not authorization:
+            raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("the Authorization header must be 'Bearer <token>'")
+        digest = _digest(token)
+        found: frozenset[str] | None = None
+        known = False
+        # Compare against every entry so the time taken does not depend on which matched.
+        for candidate, tenants in self._grants:
+            if hmac.compare_digest(candidate, digest):
+                known, found = True, tenants
+        if not known:
+            raise Unauthorized("unknown bearer token")
+        return Principal(found)
+
+
+def load_tokens(path: Path) -> dict[str, frozenset[str] | None]:
+    """Read a tokens file (token -> list of tenants, or ``"*"``).
+
+    Raises:
+        ConfigurationError: the file cannot be read or is not such a mapping; the message
+            never contains a token.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigurationError(f"{path}: cannot read the auth tokens file: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigurationError(f"{path}: the auth tokens file maps token -> [tenants] or '*'")
+    grants: dict[str, frozenset[str] | None] = {}
+    for number, (token, tenants) in enumerate(raw.items(), start=1):
+        if not isinstance(token, str) or not token:
+            raise ConfigurationError(f"{path}: entry {number}: the token must be a string")
+        if tenants == ALL_TENANTS or (isinstance(tenants, list) and ALL_TENANTS in tenants):
+            grants[token] = None
+        elif isinstance(tenants, list) and all(isinstance(t, str) and t for t in tenants):
+            grants[token] = frozenset(tenants)
+        else:
+            raise ConfigurationError(
+                f"{path}: entry {number}: tenants must be a list of names or '*'"
+            )
+    return grants

@@ -1,0 +1,310 @@
+"""A client of the admission service for inference workers, sync and async.
+
+::
+
+    client = AdmissionClient("http://127.0.0.1:8787", token="...")
+    with client.generation({"tenant": "acme", "model": "m1"}, {"input_tokens": 900,
+                                                             "output_tokens": 500}) as gen:
+        for chunk in model.stream(max_tokens=gen.max_output_tokens or 500):
+            gen.report(Usage(input_tokens=900, output_tokens=chunk.total_out))
+
+On leaving the block the reservation is settled: the usage reported (the last
+``report`` is the total so far) is committed, or the reservation is released when
+nothing was reported. An exception or a cancellation mid-generation commits the partial
+usage reported so far and is re-raised. Calls are retried on connection errors and 5xx
+answers with the same ``request_id`` (admit) or ``reservation_id`` (commit/release), so
+a retry never reserves twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import httpx
+
+from admission.exceptions import (
+    AdmissionRequestError,
+    AdmissionUnavailable,
+    BudgetExceeded,
+)
+from schemas.decisions import Decision
+from schemas.events import Subject, Usage
+
+__all__ = ["AdmissionClient", "AsyncAdmissionClient", "AsyncGeneration", "Generation"]
+
+logger = logging.getLogger(__name__)
+
+SubjectLike = Subject | Mapping[str, Any]
+UsageLike = Usage | Mapping[str, Any]
+
+
+def _subject(value: SubjectLike) -> Subject:
+    return value if isinstance(value, Subject) else Subject.model_validate(value)
+
+
+def _usage(value: UsageLike) -> Usage:
+    return value if isinstance(value, Usage) else Usage.model_validate(value)
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code == 429:
+        raise BudgetExceeded(Decision.model_validate(response.json()))
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+            code, message, field = error["code"], error["message"], error.get("field")
+        except (ValueError, KeyError, TypeError):
+            code, message, field = "http_error", response.text[:200], None
+        raise AdmissionRequestError(response.status_code, code, message, field)
+
+
+def _retriable(response: httpx.Response) -> bool:
+    return response.status_code >= 500
+
+
+class _Base:
+    def __init__(self, token: str | None, retries: int, backoff_s: float) -> None:
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def _wait(self, attempt: int) -> float:
+        return float(self.backoff_s * (2**attempt))
+
+
+class Generation:
+    """One admitted generation: its decision, and the usage reported so far."""
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        self.usage: Usage | None = None
+
+    @property
+    def reservation_id(self) -> str:
+        """The reservation to settle."""
+        assert self.decision.reservation_id is not None
+        return self.decision.reservation_id
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The output the caller must not exceed (set when the decision is ``cap``)."""
+        return self.decision.max_output_tokens
+
+    @property
+    def model(self) -> str | None:
+        """The model to serve (differs from the requested one on ``downgrade``)."""
+        return self.decision.model
+
+    def report(self, usage: UsageLike) -> None:
+        """Record the total usage so far (replaces what was reported before)."""
+        self.usage = _usage(usage)
+
+
+AsyncGeneration = Generation
+
+
+def _used(usage: Usage | None) -> bool:
+    return usage is not None and usage != Usage()
+
+
+class AdmissionClient(_Base):
+    """Blocking client (httpx)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(token, retries, backoff_s)
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._http.close()
+
+    def __enter__(self) -> AdmissionClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self._wait(attempt - 1))
+            try:
+                response = self._http.post(path, json=body, headers=self.headers)
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if _retriable(response) and attempt < self.retries:
+                last = AdmissionRequestError(response.status_code, "server_error", response.text)
+                continue
+            _raise_for(response)
+            return response
+        raise AdmissionUnavailable(f"{path} failed after {self.retries + 1} tries: {last}")
+
+    def admit(
+        self, subject: SubjectLike, estimate: UsageLike, request_id: str | None = None
+    ) -> Decision:
+        """Ask for admission; retries reuse ``request_id``.
+
+        Raises:
+            BudgetExceeded: 429, with ``retry_after_seconds`` or ``never_fits``.
+            AdmissionRequestError: any other 4xx.
+            AdmissionUnavailable: connection errors or 5xx after every retry.
+        """
+        body = {
+            "request_id": request_id or uuid.uuid4().hex,
+            "subject": _subject(subject).model_dump(exclude_none=True),
+            "estimate": _usage(estimate).model_dump(exclude_none=True),
+        }
+        return Decision.model_validate(self._post("/v1/admit", body).json())
+
+    def commit(self, reservation_id: str, usage: UsageLike) -> None:
+        """Charge the actual usage of a reservation."""
+        self._post(
+            "/v1/commit",
+            {
+                "reservation_id": reservation_id,
+                "usage": _usage(usage).model_dump(exclude_none=True),
+            },
+        )
+
+    def release(self, reservation_id: str) -> None:
+        """Free a reservation that generated nothing."""
+        self._post("/v1/release", {"reservation_id": reservation_id})
+
+    @contextmanager
+    def generation(
+        self, subject: SubjectLike, estimate: UsageLike, request_id: str | None = None
+    ) -> Iterator[Generation]:
+        """Admit, yield the generation, then commit what was reported or release."""
+        gen = Generation(self.admit(subject, estimate, request_id))
+        try:
+            yield gen
+        except BaseException:
+            self._settle_quietly(gen)
+            raise
+        self._settle(gen)
+
+    def _settle(self, gen: Generation) -> None:
+        if _used(gen.usage):
+            assert gen.usage is not None
+            self.commit(gen.reservation_id, gen.usage)
+        else:
+            self.release(gen.reservation_id)
+
+    def _settle_quietly(self, gen: Generation) -> None:
+        try:
+            self._settle(gen)
+        except Exception:  # never hide the caller's own exception
+            logger.exception("settling reservation %s failed", gen.reservation_id)
+
+
+class AsyncAdmissionClient(_Base):
+    """Asyncio client (httpx)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(token, retries, backoff_s)
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=transport)
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAdmissionClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self._wait(attempt - 1))
+            try:
+                response = await self._http.post(path, json=body, headers=self.headers)
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if _retriable(response) and attempt < self.retries:
+                last = AdmissionRequestError(response.status_code, "server_error", response.text)
+                continue
+            _raise_for(response)
+            return response
+        raise AdmissionUnavailable(f"{path} failed after {self.retries + 1} tries: {last}")
+
+    async def admit(
+        self, subject: SubjectLike, estimate: UsageLike, request_id: str | None = None
+    ) -> Decision:
+        """As :meth:`AdmissionClient.admit`."""
+        body = {
+            "request_id": request_id or uuid.uuid4().hex,
+            "subject": _subject(subject).model_dump(exclude_none=True),
+            "estimate": _usage(estimate).model_dump(exclude_none=True),
+        }
+        return Decision.model_validate((await self._post("/v1/admit", body)).json())
+
+    async def commit(self, reservation_id: str, usage: UsageLike) -> None:
+        """Charge the actual usage of a reservation."""
+        await self._post(
+            "/v1/commit",
+            {
+                "reservation_id": reservation_id,
+                "usage": _usage(usage).model_dump(exclude_none=True),
+            },
+        )
+
+    async def release(self, reservation_id: str) -> None:
+        """Free a reservation that generated nothing."""
+        await self._post("/v1/release", {"reservation_id": reservation_id})
+
+    @asynccontextmanager
+    async def generation(
+        self, subject: SubjectLike, estimate: UsageLike, request_id: str | None = None
+    ) -> AsyncIterator[Generation]:
+        """As :meth:`AdmissionClient.generation`; a cancellation commits the partial usage."""
+        gen = Generation(await self.admit(subject, estimate, request_id))
+        try:
+            yield gen
+        except BaseException:
+            # Shielded: a cancelled task still settles what it used.
+            await asyncio.shield(self._settle_quietly(gen))
+            raise
+        await self._settle(gen)
+
+    async def _settle(self, gen: Generation) -> None:
+        if _used(gen.usage):
+            assert gen.usage is not None
+            await self.commit(gen.reservation_id, gen.usage)
+        else:
+            await self.release(gen.reservation_id)
+
+    async def _settle_quietly(self, gen: Generation) -> None:
+        try:
+            await self._settle(gen)
+        except Exception:  # never hide the caller's own exception
+            logger.exception("settling reservation %s failed", gen.reservation_id)

@@ -1,0 +1,317 @@
+"""Admission decisions on a real Redis: atomicity, idempotency, cap, downgrade, observe."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from schemas.prices import ModelPrice, PriceCatalog
+from schemas.redis_keys import request_key
+from tests.fixtures.admission import MakeAdmission, RecordingPublisher
+from tests.fixtures.factories import PolicyFactory
+
+pytestmark = pytest.mark.integration
+
+
+def _bucket_now(bucket_ms: int) -> int:
+    now = int(time.time() * 1000)
+    return now - now % bucket_ms
+
+
+class TestAtomicity:
+    async def test_200_concurrent_admits_never_reserve_more_than_the_limit(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        policy = policy_factory(limit=1000, unit="input_tokens", window="1m", bucket="5s")
+        await adm.policies(policy)
+        key = f"{policy.id}|tenant=race"
+        await adm.usage(key, {_bucket_now(5000): 130}, 5000)
+        estimate = 7
+        answers = await asyncio.gather(
+            *(adm.admit("race", input_tokens=estimate) for _ in range(200))
+        )
+        statuses = [a.status_code for a in answers]
+        assert set(statuses) == {200, 429}
+        admitted = statuses.count(200)
+        assert admitted == (1000 - 130) // estimate
+        assert await adm.pending(key) == admitted * estimate <= 1000 - 130
+        reserve_ids = {e.reservation_id for e in adm.publisher.events}  # type: ignore[attr-defined]
+        assert len(reserve_ids) == admitted
+
+    async def test_hierarchical_all_or_nothing(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        org = policy_factory(id="org", limit=10_000, unit="input_tokens", group_by=["tenant"])
+        key_pol = policy_factory(
+            id="per-key", limit=100, unit="input_tokens", group_by=["tenant", "api_key"]
+        )
+        await adm.policies(org, key_pol)
+        subject = {"tenant": "acme", "api_key": "k1", "model": "m1"}
+        ok = await adm.admit("acme", subject=dict(subject), input_tokens=80)
+        assert ok.status_code == 200
+        refused = await adm.admit("acme", subject=dict(subject), input_tokens=30)
+        assert refused.status_code == 429
+        assert refused.json()["violated"] == ["per-key"]
+        assert await adm.pending("org|tenant=acme") == 80
+        assert await adm.pending("per-key|tenant=acme|api_key=k1") == 80
+        by_policy = {b["policy"]: b for b in refused.json()["budgets"]}
+        assert by_policy["org"]["reserved"] == 80
+        assert by_policy["per-key"]["remaining"] == 20
+
+    async def test_repeats_of_a_request_id_return_the_same_reservation_and_change_nothing(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        policy = policy_factory(limit=100, unit="input_tokens")
+        await adm.policies(policy)
+        rid = uuid.uuid4().hex
+        first = await adm.admit("idem", rid, input_tokens=60)
+        repeats = await asyncio.gather(*(adm.admit("idem", rid, input_tokens=60) for _ in range(5)))
+        assert first.status_code == 200
+        assert {r.json()["reservation_id"] for r in repeats} == {first.json()["reservation_id"]}
+        assert all(r.json()["budgets"] == first.json()["budgets"] for r in repeats)
+        assert await adm.pending(f"{policy.id}|tenant=idem") == 60
+        assert adm.publisher.kinds() == ["reserve"]  # type: ignore[attr-defined]
+        ttl_ms = await adm.redis.pttl(request_key(adm.prefix, rid))
+        assert ttl_ms > policy.reservation_ttl_ms
+        assert (await adm.admit("idem", input_tokens=60)).status_code == 429
+
+
+class TestRejectAndHeaders:
+    async def test_retry_after_is_exact_and_ratelimit_headers_name_the_tightest(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        tight = policy_factory(id="tight", limit=100, unit="input_tokens", window="1m", bucket="5s")
+        loose = policy_factory(id="loose", limit=10_000, unit="input_tokens")
+        await adm.policies(tight, loose)
+        start = _bucket_now(5000)
+        await adm.usage("tight|tenant=a", {start - 20_000: 60, start: 30}, 5000)
+        answer = await adm.admit("a", input_tokens=20)
+        assert answer.status_code == 429
+        body = answer.json()
+        # 60 ages out at (start - 20s) + 60s + 5s - 1ms ("include" boundary bucket).
+        expected_ms = start - 20_000 + 60_000 + 5000 - 1 - int(time.time() * 1000)
+        assert abs(body["retry_after_seconds"] - expected_ms / 1000) <= 1.1
+        assert answer.headers["Retry-After"] == str(body["retry_after_seconds"])
+        assert answer.headers["RateLimit-Policy"] == '"tight";q=100;w=60'
+        assert answer.headers["RateLimit"].startswith('"tight";r=10;t=')
+        reset = {b["policy"]: b["reset_after_seconds"] for b in body["budgets"]}
+        # Everything counted in "tight" is gone one window + bucket after the newest bucket.
+        assert abs(reset["tight"] - (start + 65_000 - time.time() * 1000) / 1000) <= 1.1
+        assert reset["loose"] == 0
+        never = await adm.admit("a", input_tokens=101)
+        assert never.json()["never_fits"] is True and "Retry-After" not in never.headers
+
+    async def test_budgets_query_reserves_nothing(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        p = policy_factory(limit=500, unit="input_tokens", group_by=["tenant", "api_key"])
+        other = policy_factory(limit=5, unit="requests", match={"tenant": "zzz"})
+        await adm.policies(p, other)
+        await adm.admit("acme", subject={"tenant": "acme", "api_key": "k"}, input_tokens=50)
+        got = await adm.http.get("/v1/budgets", params={"tenant": "acme", "api_key": "k"})
+        assert got.status_code == 200
+        (budget,) = got.json()["budgets"]
+        assert budget["key"] == f"{p.id}|tenant=acme|api_key=k"
+        assert (budget["used"], budget["reserved"], budget["remaining"]) == (0, 50, 450)
+        again = await adm.http.get("/v1/budgets", params={"tenant": "acme", "api_key": "k"})
+        assert again.json() == got.json()
+        missing = await adm.http.get("/v1/budgets", params={"tenant": "acme"})
+        assert missing.status_code == 400 and missing.json()["error"]["field"] == "subject.api_key"
+        bad = await adm.http.get("/v1/budgets", params={"tenant": "acme", "nope": "1"})
+        assert bad.status_code == 400
+
+
+class TestCap:
+    async def test_total_tokens_cap_returns_what_remains_for_output(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        p = policy_factory(limit=1000, unit="total_tokens", on_exceed="cap")
+        await adm.policies(p)
+        await adm.usage(f"{p.id}|tenant=c", {_bucket_now(5000): 700}, 5000)
+        answer = await adm.admit("c", input_tokens=100, output_tokens=500)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["decision"] == "cap"
+        assert body["max_output_tokens"] == 200  # 1000 - 700 - 100 input
+        assert body["budgets"][0]["remaining"] == 0
+        assert await adm.pending(f"{p.id}|tenant=c") == 300
+        (event,) = adm.publisher.events  # type: ignore[attr-defined]
+        assert event.usage.output_tokens == 200
+        # Nothing left for output: refused, not capped to zero.
+        assert (await adm.admit("c", input_tokens=1, output_tokens=5)).status_code == 429
+
+    async def test_cost_cap_goes_through_the_output_price(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        prices = PriceCatalog(
+            list_prices={
+                "m1": ModelPrice(input_per_mtok_micros=1_000_000, output_per_mtok_micros=3_000_000)
+            }
+        )
+        adm = await make_admission(prices=prices)
+        p = policy_factory(limit=1000, unit="cost_usd", on_exceed="cap")
+        await adm.policies(p)
+        # 100 input tokens cost 100 micros; 1000 output tokens would cost 3000.
+        answer = await adm.admit("c", input_tokens=100, output_tokens=1000)
+        body = answer.json()
+        assert body["decision"] == "cap"
+        assert body["max_output_tokens"] == 300  # 100 + 300*3 = 1000 micros
+        assert body["budgets"][0]["reserved"] == 1000
+
+    async def test_requests_unit_cannot_be_capped(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        p = policy_factory(limit=1, unit="requests", on_exceed="cap")
+        await adm.policies(p)
+        assert (await adm.admit("r", requests=1, output_tokens=10)).status_code == 200
+        refused = await adm.admit("r", requests=1, output_tokens=10)
+        assert refused.status_code == 429 and refused.json()["decision"] == "reject"
+
+
+class TestDowngrade:
+    async def test_downgrade_rechecks_the_target_model_and_reports_it(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        prices = PriceCatalog(
+            list_prices={
+                "big": ModelPrice(input_per_mtok_micros=10_000_000, output_per_mtok_micros=0),
+                "small": ModelPrice(input_per_mtok_micros=1_000_000, output_per_mtok_micros=0),
+            }
+        )
+        adm = await make_admission(prices=prices)
+        big = policy_factory(
+            id="big-cost",
+            unit="cost_usd",
+            limit=1500,
+            match={"model": "big"},
+            on_exceed="downgrade",
+            downgrade_to="small",
+        )
+        small = policy_factory(
+            id="small-cost", unit="cost_usd", limit=250, match={"model": "small"}
+        )
+        await adm.policies(big, small)
+        subject = {"tenant": "d", "model": "big"}
+        first = await adm.admit("d", subject=dict(subject), input_tokens=100)
+        assert first.json()["decision"] == "allow" and first.json()["model"] == "big"
+        down = await adm.admit("d", subject=dict(subject), input_tokens=100)
+        assert down.status_code == 200, down.text
+        body = down.json()
+        assert body["decision"] == "downgrade"
+        assert body["model"] == "small"
+        assert down.headers["Spendgate-Model"] == "small"
+        assert [b["policy"] for b in body["budgets"]] == ["small-cost"]
+        assert body["budgets"][0]["reserved"] == 100  # at the small model's price
+        assert await adm.pending("big-cost|tenant=d") == 1000
+        events = adm.publisher.events  # type: ignore[attr-defined]
+        assert events[-1].subject.model == "small"
+        # The target's own policy then refuses: nothing downgrades twice.
+        await adm.admit("d", subject=dict(subject), input_tokens=100)
+        refused = await adm.admit("d", subject=dict(subject), input_tokens=100)
+        assert refused.status_code == 429
+        assert refused.json()["violated"] == ["big-cost"]
+        assert await adm.pending("small-cost|tenant=d") == 200
+
+
+class TestObserve:
+    async def test_observe_never_refuses_and_says_what_would_have_happened(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        p = policy_factory(limit=100, unit="input_tokens", mode="observe")
+        await adm.policies(p)
+        for _ in range(3):
+            answer = await adm.admit("o", input_tokens=60)
+            assert answer.status_code == 200
+        body = answer.json()
+        assert body["decision"] == "observe_reject"
+        assert body["violated"] == [p.id]
+        assert body["retry_after_seconds"] >= 1
+        assert await adm.pending(f"{p.id}|tenant=o") == 180  # charged all the same
+
+
+class TestSettle:
+    async def test_commit_release_once_and_conflicts(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        await adm.policies(policy_factory(limit=1000, unit="input_tokens"))
+        rid = (await adm.admit("s", input_tokens=10)).json()["reservation_id"]
+        body = {"reservation_id": rid, "usage": {"input_tokens": 5}}
+        assert (await adm.http.post("/v1/commit", json=body)).status_code == 202
+        assert (await adm.http.post("/v1/commit", json=body)).status_code == 202  # retry
+        conflict = await adm.http.post("/v1/release", json={"reservation_id": rid})
+        assert conflict.status_code == 409
+        publisher = adm.publisher
+        assert isinstance(publisher, RecordingPublisher)
+        assert publisher.kinds() == ["reserve", "commit", "commit"]
+        assert len({e.event_id for e in publisher.events}) == 2  # the repeat is a duplicate
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("content", "headers", "status", "code"),
+        [
+            (b"{not json", {"content-type": "application/json"}, 400, "invalid_json"),
+            (b"{}", {"content-type": "text/plain"}, 415, "unsupported_media_type"),
+            (b"x" * 70_000, {"content-type": "application/json"}, 413, "payload_too_large"),
+            (b"[]", {"content-type": "application/json"}, 400, "invalid_request"),
+            (
+                b'{"request_id": "r", "subject": {}, "estimate": {"input_tokens": -1}}',
+                {"content-type": "application/json"},
+                400,
+                "invalid_request",
+            ),
+        ],
+    )
+    async def test_bad_bodies_are_4xx_json_errors(
+        self,
+        make_admission: MakeAdmission,
+        content: bytes,
+        headers: dict[str, str],
+        status: int,
+        code: str,
+    ) -> None:
+        adm = await make_admission()
+        answer = await adm.http.post("/v1/admit", content=content, headers=headers)
+        assert answer.status_code == status
+        assert answer.json()["error"]["code"] == code
+
+    async def test_unknown_route_and_method_are_json_errors(
+        self, make_admission: MakeAdmission
+    ) -> None:
+        adm = await make_admission()
+        assert (await adm.http.get("/nope")).json()["error"]["code"] == "not_found"
+        wrong = await adm.http.get("/v1/admit")
+        assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+    async def test_unpriced_model_is_422_naming_it(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        await adm.policies(policy_factory(unit="cost_usd"))
+        answer = await adm.admit("u", input_tokens=1)
+        assert answer.status_code == 422
+        assert "m1" in answer.json()["error"]["message"]
+
+    async def test_metrics_are_exported(self, make_admission: MakeAdmission) -> None:
+        adm = await make_admission()
+        await adm.admit("m", input_tokens=1)
+        text = (await adm.http.get("/metrics")).text
+        for name in (
+            "spendgate_admission_decisions_total",
+            "spendgate_admission_seconds_bucket",
+            "spendgate_admission_publish_buffer_events",
+            "spendgate_admission_store_failures_total",
+        ):
+            assert name in text

@@ -1,0 +1,94 @@
+"""Bearer tokens bound to tenants: 401, 403, and no reading or charging another tenant."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from admission.auth import Authorizer, load_tokens
+from schemas.exceptions import ConfigurationError
+from tests.fixtures.admission import Admission, MakeAdmission
+from tests.fixtures.factories import PolicyFactory
+
+pytestmark = pytest.mark.integration
+
+A = {"Authorization": "Bearer tok-a"}
+B = {"Authorization": "Bearer tok-b"}
+ALL = {"Authorization": "Bearer tok-all"}
+
+
+@pytest.fixture
+async def adm(make_admission: MakeAdmission, policy_factory: PolicyFactory) -> Admission:
+    authorizer = Authorizer({"tok-a": frozenset({"a"}), "tok-b": frozenset({"b"}), "tok-all": None})
+    admission = await make_admission(authorizer=authorizer)
+    await admission.policies(policy_factory(limit=1000, unit="input_tokens"))
+    return admission
+
+
+class TestAuth:
+    @pytest.mark.parametrize(
+        "headers",
+        [{}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic dG9rLWE="}],
+    )
+    async def test_missing_or_unknown_token_is_401(
+        self, adm: Admission, headers: dict[str, str], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.DEBUG)
+        answer = await adm.admit("a", input_tokens=1, headers=headers)
+        assert answer.status_code == 401
+        assert answer.json()["error"]["code"] == "unauthorized"
+        assert answer.headers["WWW-Authenticate"] == "Bearer"
+        assert (
+            await adm.http.get("/v1/budgets", params={"tenant": "a"}, headers=headers)
+        ).status_code == 401
+        assert "nope" not in caplog.text and "tok-a" not in caplog.text
+
+    async def test_a_token_for_a_cannot_charge_or_read_b(self, adm: Admission) -> None:
+        assert (await adm.admit("a", input_tokens=1, headers=A)).status_code == 200
+        charge_b = await adm.admit("b", input_tokens=1, headers=A)
+        assert charge_b.status_code == 403
+        assert charge_b.json()["error"]["field"] == "subject.tenant"
+        read_b = await adm.http.get("/v1/budgets", params={"tenant": "b"}, headers=A)
+        assert read_b.status_code == 403 and read_b.json()["error"]["field"] == "tenant"
+        no_tenant = await adm.admit("a", subject={"model": "m1"}, input_tokens=1, headers=A)
+        assert no_tenant.status_code == 403
+
+    async def test_settling_another_tenants_reservation_is_403(self, adm: Admission) -> None:
+        rid = (await adm.admit("b", input_tokens=5, headers=B)).json()["reservation_id"]
+        commit = await adm.http.post(
+            "/v1/commit", json={"reservation_id": rid, "usage": {"input_tokens": 1}}, headers=A
+        )
+        release = await adm.http.post("/v1/release", json={"reservation_id": rid}, headers=A)
+        assert commit.status_code == release.status_code == 403
+        assert adm.publisher.kinds() == ["reserve"]  # type: ignore[attr-defined]
+        ok = await adm.http.post("/v1/release", json={"reservation_id": rid}, headers=B)
+        assert ok.status_code == 202
+
+    async def test_star_token_acts_for_every_tenant(self, adm: Admission) -> None:
+        assert (await adm.admit("b", input_tokens=1, headers=ALL)).status_code == 200
+        got = await adm.http.get("/v1/budgets", params={"tenant": "zzz"}, headers=ALL)
+        assert got.status_code == 200
+
+    async def test_health_and_metrics_need_no_token(self, adm: Admission) -> None:
+        assert (await adm.http.get("/healthz")).status_code == 200
+        assert (await adm.http.get("/metrics")).status_code == 200
+
+
+class TestTokensFile:
+    def test_yaml_and_json_files(self, tmp_path: Path) -> None:
+        yaml_file = tmp_path / "t.yaml"
+        yaml_file.write_text('k1: [acme, beta]\nk2: "*"\n')
+        assert load_tokens(yaml_file) == {"k1": frozenset({"acme", "beta"}), "k2": None}
+        json_file = tmp_path / "t.json"
+        json_file.write_text('{"k3": ["x"]}')
+        assert load_tokens(json_file) == {"k3": frozenset({"x"})}
+
+    @pytest.mark.parametrize("text", ["[a, b]", "secret-token: 5", "secret-token: [1]", ": ["])
+    def test_bad_files_name_no_token(self, tmp_path: Path, text: str) -> None:
+        path = tmp_path / "t.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigurationError) as caught:
+            load_tokens(path)
+        assert "secret-token" not in str(caught.value)
