@@ -36,5 +36,7 @@ def request_key(prefix: str, request_id: str) -> str:
 
 
 def reservation_key(prefix: str, reservation_id: str) -> str:
-    """The subject and model of an open reservation, for its commit or release."""
+    """Hash of one reservation, written by the admit script: fields ``subject`` (JSON),
+    ``plan`` (which model plan was reserved) and ``settled`` (once committed or
+    released), read by commit and release."""
     return f"{prefix}res:{reservation_id}"

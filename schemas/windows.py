@@ -61,6 +61,7 @@ __all__ = [
     "add",
     "boundary_usage",
     "prune",
+    "rebucket",
     "retry_after",
     "total",
 ]
@@ -322,3 +323,26 @@ def retry_after(
         if r is not None:
             return RetryAfter(period + r, False)
     return RetryAfter(None, False)
+
+
+def rebucket(buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int) -> Buckets:
+    """Move buckets of width ``old_bucket_ms`` to width ``new_bucket_ms`` (a policy change).
+
+    Each old bucket's amount goes to the new bucket holding the old bucket's *last*
+    millisecond, so no usage ages out earlier than it would have: with ``include`` the
+    window still never under-counts. Zero sums are dropped.
+
+    Args:
+        buckets: the state in the old width.
+        old_bucket_ms: the width the state was kept in.
+        new_bucket_ms: the policy's new width.
+
+    Returns:
+        A new state in the new width.
+    """
+    moved: Buckets = {}
+    for start, value in buckets.items():
+        last = start + old_bucket_ms - 1
+        target = last - last % new_bucket_ms
+        moved[target] = moved.get(target, 0) + value
+    return {k: v for k, v in moved.items() if v}

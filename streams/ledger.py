@@ -192,12 +192,7 @@ def _rebucket(state: KeyState, bucket_ms: int) -> bool:
     state.bucket_ms = bucket_ms
     if old in (0, bucket_ms) or not state.buckets:
         return False
-    moved: dict[int, int] = {}
-    for start, value in state.buckets.items():
-        end = start + old - 1
-        target = end - end % bucket_ms
-        moved[target] = moved.get(target, 0) + value
-    state.buckets = {k: v for k, v in moved.items() if v}
+    state.buckets = windows.rebucket(state.buckets, old, bucket_ms)
     return True
 
 

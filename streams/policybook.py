@@ -40,6 +40,10 @@ class PolicyBook:
                 return
         self.version += 1
 
+    def _set_ready(self) -> None:
+        logger.info("policies loaded from %s: %d in force", self.topic, len(self.policies))
+        self.ready.set()
+
     async def run(self) -> None:
         """Consume forever; set ``ready`` after reaching the end offsets seen at start."""
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
@@ -50,13 +54,13 @@ class PolicyBook:
             await consumer.seek_to_beginning(tp)
             end = (await consumer.end_offsets([tp]))[tp]
             if end == 0:
-                self.ready.set()
+                self._set_ready()
             while True:
                 batch = await consumer.getmany(tp, timeout_ms=500)
                 for message in batch.get(tp, []):
                     self._apply(message.key, message.value)
-                    if message.offset + 1 >= end:
-                        self.ready.set()
+                    if message.offset + 1 >= end and not self.ready.is_set():
+                        self._set_ready()
         finally:
             await stop(consumer)
 
