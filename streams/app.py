@@ -12,6 +12,7 @@ import faust
 import redis.asyncio as aioredis
 
 from schemas.deadletter import dead_letter
+from schemas.policies import Policy
 from schemas.prices import load_catalog
 from streams import metrics
 from streams.alerting import evaluate
@@ -24,8 +25,12 @@ from streams.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 
-def build_app(settings: WorkerSettings) -> faust.App:
-    """Build the worker's faust app with its topics, table, agents and policy tail."""
+def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = None) -> faust.App:
+    """Build the worker's faust app with its topics, table, agents and policy tail.
+
+    ``policies``, read before the app starts, lets the agents begin without waiting for
+    the policy tail; the tail then keeps them current.
+    """
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
@@ -37,6 +42,8 @@ def build_app(settings: WorkerSettings) -> faust.App:
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3),
     )
     usage = app.topic(
         settings.topic("usage"),
@@ -55,7 +62,7 @@ def build_app(settings: WorkerSettings) -> faust.App:
     alerts_topic = app.topic(settings.topic("alerts"), value_serializer="raw", key_type=str)
     table = app.Table("keystate", partitions=settings.partitions, key_type=str)
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
-    book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"))
+    book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"), policies)
     materializer = RedisMaterializer(
         aioredis.Redis.from_url(settings.redis_url), settings.redis_prefix
     )
@@ -77,7 +84,8 @@ def build_app(settings: WorkerSettings) -> faust.App:
 
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
-        await book.ready.wait()
+        if not book.ready.is_set():
+            await book.ready.wait()
         async for event in stream.events():
             raw: bytes = event.value
             msg = event.message

@@ -18,12 +18,17 @@ logger = logging.getLogger(__name__)
 class PolicyBook:
     """Tails the policies topic from its start into memory; ``ready`` is set once caught up."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, initial: dict[str, Policy] | None = None
+    ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
-        self.policies: dict[str, Policy] = {}
+        self.policies: dict[str, Policy] = dict(initial or {})
         self.ready = asyncio.Event()
         self.version = 0
+        if initial is not None:
+            # Read just before start: usable at once; the tail re-reads and catches up.
+            self.ready.set()
 
     def _apply(self, key: bytes | None, value: bytes | None) -> None:
         if key is None:
@@ -59,8 +64,10 @@ class PolicyBook:
                 batch = await consumer.getmany(tp, timeout_ms=500)
                 for message in batch.get(tp, []):
                     self._apply(message.key, message.value)
-                    if message.offset + 1 >= end and not self.ready.is_set():
-                        self._set_ready()
+                # By position, not by the last message's offset: compaction may have removed
+                # the records just before the end offset.
+                if not self.ready.is_set() and await consumer.position(tp) >= end:
+                    self._set_ready()
         finally:
             await stop(consumer)
 

@@ -24,6 +24,9 @@ class WorkerSettings(BaseSettings):
     partitions: int = Field(4, ge=1, le=256)
     data_dir: Path = Path.home() / ".local" / "state" / "spendgate" / "tables"
     metrics_port: int = Field(9464, ge=0, le=65535)
+    #: How soon a worker that died without leaving its group is noticed (Kafka session
+    #: timeout); its partitions move to the others after this.
+    session_timeout_s: float = Field(15.0, ge=6.0, le=300.0)
     #: How long past the longest window an event id is remembered for deduplication.
     lateness_ms: int = Field(3_600_000, ge=0)
     #: How far in the future ``occurred_at`` may lie before it is clamped.

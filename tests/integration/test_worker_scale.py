@@ -21,7 +21,7 @@ from tests.fixtures.kafka_io import buckets, eventually, produce
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 from tests.fixtures.workload import Workload, generate
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 #: Size of the randomized end-to-end run (the issue asks for at least 50,000).
 EVENTS = int(os.environ.get("SPENDGATE_TEST_EVENTS", "50000"))
@@ -39,7 +39,16 @@ def _matches(client: redis.Redis, prefix: str, work: Workload) -> bool:
 
 def _diff(client: redis.Redis, prefix: str, work: Workload) -> str:
     bad = [k for k, want in work.expected.items() if buckets(client, prefix, k) != want]
-    return f"{len(bad)} of {len(work.expected)} keys differ, e.g. {bad[:3]}"
+    have = sum(sum(buckets(client, prefix, k).values()) for k in bad)
+    want = sum(sum(work.expected[k].values()) for k in bad)
+    return f"{len(bad)} of {len(work.expected)} keys differ (sum {have}, expected {want})"
+
+
+async def _counted(client: redis.Redis, prefix: str, work: Workload, timeout_s: float) -> None:
+    try:
+        await eventually(lambda: _matches(client, prefix, work), timeout_s=timeout_s)
+    except AssertionError as exc:
+        raise AssertionError(f"not counted in {timeout_s}s: {_diff(client, prefix, work)}") from exc
 
 
 async def _run(settings: WorkerSettings, work: Workload) -> None:
