@@ -189,6 +189,15 @@ class TestWorker:
         assert summary.outcomes == {"applied": 60, "duplicate": 2}
         assert {k: buckets(redis_sync, prefix, k) for k in keys} == before
         assert not (await replay(worker_settings, verify=True)).differences
+        # --from: records before the timestamp are skipped.
+        later = await replay(
+            worker_settings, since=datetime.now(UTC) + timedelta(hours=1), verify=True
+        )
+        assert later.records == 0
+        earlier = await replay(
+            worker_settings, since=datetime.now(UTC) - timedelta(hours=1), verify=True
+        )
+        assert earlier.records == 62 and not earlier.differences
 
 
 class TestMetrics:
