@@ -259,11 +259,14 @@ def schema_export(
 def demo(
     seconds: Annotated[float, typer.Option(help="How long the workload runs.")] = 40.0,
     url: Annotated[str, typer.Option(help="The admission service.")] = "http://127.0.0.1:8787",
+    chart: Annotated[
+        Path, typer.Option(help="Where to write the PNG chart of usage against limit.")
+    ] = Path("demo-out/demo-usage.png"),
 ) -> None:
     """Run a short demo workload against a running worker and admission service."""
     from spendgate.demo import run_demo
 
-    run_demo(base_url=url, seconds=seconds)
+    run_demo(base_url=url, seconds=seconds, chart=chart)
 
 
 def main() -> None:

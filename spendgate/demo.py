@@ -1,12 +1,26 @@
-"""``spendgate demo``: a short workload through a running admission service and worker."""
+"""``spendgate demo``: a short workload through a running admission service and worker.
+
+Several tenants and models; bursts; generations that stream (and report usage as they
+go); cancellations mid-stream (partial usage is committed, nothing generated is released);
+and late usage reports (commits and refunds with an ``occurred_at`` in the past, published
+straight to Kafka as an inference worker reporting after the fact would). A live table
+shows every budget key; at the end a PNG chart shows usage against limit over time per
+budget key, with refusals marked.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
+import os
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,11 +29,36 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+logger = logging.getLogger(__name__)
+
+#: tenant -> models it calls, api keys, mean requests per second, token range per request.
 TENANTS: dict[str, dict[str, Any]] = {
-    "acme": {"model": "claude-sonnet-4", "rate": 3, "tokens": (600, 2500)},
-    "globex": {"model": "claude-haiku-4", "rate": 1, "tokens": (200, 900)},
-    "initech": {"model": "claude-opus-4", "rate": 1, "tokens": (300, 1200)},
+    "acme": {
+        "models": ["claude-sonnet-4", "claude-haiku-4"],
+        "keys": ["acme-key-1"],
+        "rate": 3.0,
+        "tokens": (600, 2500),
+    },
+    "globex": {
+        "models": ["claude-haiku-4"],
+        "keys": ["globex-key-1"],
+        "rate": 1.0,
+        "tokens": (200, 900),
+    },
+    "initech": {
+        "models": ["claude-opus-4"],
+        "keys": ["initech-key-1", "initech-key-2"],
+        "rate": 1.2,
+        "tokens": (300, 1200),
+    },
+    "umbrella": {
+        "models": ["claude-opus-4", "claude-sonnet-4"],
+        "keys": ["umbrella-key-1"],
+        "rate": 0.8,
+        "tokens": (400, 1800),
+    },
 }
+DEFAULT_CHART = Path("demo-out/demo-usage.png")
 
 
 @dataclass
@@ -30,6 +69,11 @@ class KeyView:
     used: int = 0
     reserved: int = 0
     unit: str = ""
+    window_s: int = 0
+    #: (seconds since start, used + reserved) samples for the chart.
+    points: list[tuple[float, int]] = field(default_factory=list)
+    #: seconds since start of each refusal on this key.
+    refusals: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -40,13 +84,17 @@ class Tally:
     refused: int = 0
     committed: int = 0
     cancelled: int = 0
+    late_reports: int = 0
+    errors: int = 0
     last_retry: dict[str, str] = field(default_factory=dict)
     keys: dict[str, KeyView] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
+    #: (seconds since start, text) of late reports, marked on the chart.
+    late: list[tuple[float, str]] = field(default_factory=list)
 
 
 def _view(tally: Tally, elapsed_s: float) -> Group:
-    """The live screen: the budget table, then the latest refusals."""
+    """The live screen: the budget table, then the latest events."""
     return Group(_table(tally, elapsed_s), *(Text.from_markup(line) for line in tally.log[-6:]))
 
 
@@ -54,7 +102,7 @@ def _table(tally: Tally, elapsed_s: float) -> Table:
     table = Table(
         title=f"spendgate demo - {elapsed_s:4.0f}s  admitted {tally.admitted}  "
         f"refused {tally.refused}  committed {tally.committed}  "
-        f"cancelled {tally.cancelled}"
+        f"cancelled {tally.cancelled}  late reports {tally.late_reports}"
     )
     for col in ("budget key", "unit", "used+reserved / limit", "window", "last Retry-After"):
         table.add_column(col)
@@ -65,27 +113,14 @@ def _table(tally: Tally, elapsed_s: float) -> Table:
             key,
             view.unit,
             f"[{bar}] {view.used + view.reserved}/{view.limit}",
-            "1m",
+            f"{view.window_s}s" if view.window_s else "-",
             tally.last_retry.get(key, "-"),
         )
     return table
 
 
-async def _one_request(http: httpx.AsyncClient, tenant: str, tally: Tally) -> None:
-    spec = TENANTS[tenant]
-    estimate = random.randint(*spec["tokens"])
-    body = {
-        "request_id": uuid.uuid4().hex,
-        "subject": {"tenant": tenant, "api_key": f"{tenant}-key-1", "model": spec["model"]},
-        "estimate": {
-            "requests": 1,
-            "input_tokens": estimate // 3,
-            "output_tokens": estimate - estimate // 3,
-        },
-    }
-    answer = await http.post("/v1/admit", json=body)
-    data = answer.json()
-    for b in data.get("budgets", []):
+def _observe(tally: Tally, budgets: list[dict[str, Any]], at: float) -> None:
+    for b in budgets:
         view = tally.keys.setdefault(b["key"], KeyView())
         view.limit, view.used, view.reserved, view.unit = (
             b["limit"],
@@ -93,64 +128,255 @@ async def _one_request(http: httpx.AsyncClient, tenant: str, tally: Tally) -> No
             b["reserved"],
             b["unit"],
         )
+        view.window_s = int(b.get("window_seconds", 0))
+        view.points.append((at, b["used"] + b["reserved"]))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self.start
+
+
+async def _one_request(
+    http: httpx.AsyncClient, tenant: str, tally: Tally, clock: _Clock, rng: random.Random
+) -> None:
+    spec = TENANTS[tenant]
+    model = rng.choice(spec["models"])
+    api_key = rng.choice(spec["keys"])
+    estimate = rng.randint(*spec["tokens"])
+    inp = estimate // 3
+    out_est = estimate - inp
+    body = {
+        "request_id": uuid.uuid4().hex,
+        "subject": {"tenant": tenant, "api_key": api_key, "model": model},
+        "estimate": {"requests": 1, "input_tokens": inp, "output_tokens": out_est},
+    }
+    answer = await http.post("/v1/admit", json=body)
+    data = answer.json()
+    _observe(tally, data.get("budgets", []), clock.now())
     if answer.status_code == 429:
         tally.refused += 1
         wait = "never fits" if data.get("never_fits") else f"{data['retry_after_seconds']}s"
         for b in data["budgets"]:
             if b["policy"] in data["violated"]:
                 tally.last_retry[b["key"]] = wait
+                tally.keys[b["key"]].refusals.append(clock.now())
         tally.log.append(
-            f"[red]refused[/] {tenant} {estimate} tokens: {','.join(data['violated'])}"
+            f"[red]refused[/] {tenant}/{model} {estimate} tokens: {','.join(data['violated'])}"
             f" Retry-After {wait}"
         )
         return
+    if answer.status_code != 200:
+        tally.errors += 1
+        tally.log.append(f"[yellow]admit answered {answer.status_code}[/]")
+        return
     tally.admitted += 1
     rid = data["reservation_id"]
-    await asyncio.sleep(random.uniform(0.2, 1.5))  # the generation streams
-    if random.random() < 0.1:
-        await http.post("/v1/release", json={"reservation_id": rid})
+    cap = data.get("max_output_tokens") or out_est
+    # The generation streams in chunks; some callers hang up mid-stream.
+    chunks = rng.randint(2, 6)
+    cancel_at = rng.randint(0, chunks - 1) if rng.random() < 0.15 else None
+    generated = 0
+    for n in range(chunks):
+        if cancel_at is not None and n == cancel_at:
+            break
+        await asyncio.sleep(rng.uniform(0.1, 0.4))
+        generated += int(cap * rng.uniform(0.5, 1.0) / chunks)
+    if cancel_at is not None:
         tally.cancelled += 1
-        return
-    share = random.uniform(0.5, 1.0)
+        if generated == 0:
+            await http.post("/v1/release", json={"reservation_id": rid})
+            tally.log.append(f"[yellow]cancelled[/] {tenant}/{model} before any output: released")
+            return
+        tally.log.append(
+            f"[yellow]cancelled[/] {tenant}/{model} mid-stream: commits {generated} output tokens"
+        )
     await http.post(
         "/v1/commit",
         json={
             "reservation_id": rid,
-            "usage": {
-                "requests": 1,
-                "input_tokens": estimate // 3,
-                "output_tokens": int((estimate - estimate // 3) * share),
-            },
+            "usage": {"requests": 1, "input_tokens": inp, "output_tokens": generated},
         },
     )
     tally.committed += 1
 
 
-async def _run(base_url: str, seconds: float) -> Tally:
+async def _late_reports(tally: Tally, clock: _Clock, seconds: float, rng: random.Random) -> None:
+    """Every few seconds an inference worker reports usage late, straight to Kafka."""
+    from aiokafka import AIOKafkaProducer
+
+    bootstrap = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    topic = os.environ.get("SPENDGATE_TOPIC_PREFIX", "budget.") + "usage"
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+    try:
+        await asyncio.wait_for(producer.start(), timeout=10)
+    except Exception as exc:  # noqa: BLE001 - the demo goes on without late reports
+        tally.log.append(f"[yellow]no late reports: Kafka at {bootstrap}: {exc}[/]")
+        with contextlib.suppress(Exception):
+            await producer.stop()
+        return
+    try:
+        while clock.now() < seconds - 2:
+            await asyncio.sleep(rng.uniform(3.0, 6.0))
+            tenant = rng.choice(list(TENANTS))
+            model = rng.choice(TENANTS[tenant]["models"])
+            age_s = rng.randint(10, 40)
+            occurred = datetime.fromtimestamp(time.time() - age_s, UTC).isoformat()
+            if rng.random() < 0.7:
+                tokens = rng.randint(500, 3000)
+                event: dict[str, Any] = {
+                    "kind": "commit",
+                    "usage": {
+                        "requests": 1,
+                        "input_tokens": tokens // 3,
+                        "output_tokens": tokens - tokens // 3,
+                    },
+                }
+                what = f"{tokens} tokens used {age_s}s ago"
+            else:
+                refund = rng.randint(100, 800)
+                event = {"kind": "adjust", "usage": {"output_tokens": -refund}}
+                what = f"refund of {refund} tokens for {age_s}s ago"
+            event.update(
+                schema_version=1,
+                event_id=uuid.uuid4().hex,
+                subject={
+                    "tenant": tenant,
+                    "api_key": rng.choice(TENANTS[tenant]["keys"]),
+                    "model": model,
+                },
+                occurred_at=occurred,
+            )
+            await producer.send_and_wait(topic, json.dumps(event).encode(), key=tenant.encode())
+            tally.late_reports += 1
+            tally.late.append((clock.now(), f"{tenant}: {what}"))
+            tally.log.append(f"[cyan]late report[/] {tenant}/{model}: {what}")
+    finally:
+        await producer.stop()
+
+
+async def _poll_budgets(
+    http: httpx.AsyncClient, tally: Tally, clock: _Clock, seconds: float
+) -> None:
+    """Sample every subject's budgets once a second (the chart's regular points)."""
+    subjects = [
+        {"tenant": t, "api_key": key, "model": m}
+        for t, spec in TENANTS.items()
+        for key in spec["keys"]
+        for m in spec["models"]
+    ]
+    while clock.now() < seconds:
+        for subject in subjects:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                answer = await http.get("/v1/budgets", params=subject)
+                if answer.status_code == 200:
+                    _observe(tally, answer.json().get("budgets", []), clock.now())
+        await asyncio.sleep(1.0)
+
+
+async def _run(base_url: str, seconds: float, seed: int | None, late: bool) -> Tally:
     tally = Tally()
-    start = time.monotonic()
+    rng = random.Random(seed)
+    clock = _Clock()
     pending: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+        side = [asyncio.create_task(_poll_budgets(http, tally, clock, seconds))]
+        if late:
+            side.append(asyncio.create_task(_late_reports(tally, clock, seconds, rng)))
         with Live(_view(tally, 0), refresh_per_second=4, console=Console()) as live:
-            while (elapsed := time.monotonic() - start) < seconds:
+            while (elapsed := clock.now()) < seconds:
                 for tenant, spec in TENANTS.items():
+                    # acme bursts 4x for one second in every ten; globex once in 15 s.
                     burst = 4 if tenant == "acme" and int(elapsed) % 10 == 0 else 1
-                    if random.random() < spec["rate"] * burst / 10:
-                        task = asyncio.create_task(_one_request(http, tenant, tally))
+                    burst = 6 if tenant == "globex" and int(elapsed) % 15 == 7 else burst
+                    if rng.random() < spec["rate"] * burst / 10:
+                        task = asyncio.create_task(_one_request(http, tenant, tally, clock, rng))
                         pending.add(task)
                         task.add_done_callback(pending.discard)
                 live.update(_view(tally, elapsed))
                 await asyncio.sleep(0.1)
             if pending:
-                await asyncio.gather(*pending)
-            live.update(_view(tally, time.monotonic() - start))
+                await asyncio.gather(*pending, return_exceptions=True)
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            live.update(_view(tally, clock.now()))
     return tally
 
 
-def run_demo(base_url: str = "http://127.0.0.1:8787", seconds: float = 40.0) -> None:
-    """Drive admits, commits and cancellations for ``seconds`` and show the windows fill."""
-    tally = asyncio.run(_run(base_url, seconds))
-    Console().print(
-        f"demo done: {tally.admitted} admitted, {tally.refused} refused, "
-        f"{tally.committed} committed, {tally.cancelled} cancelled"
+def write_chart(tally: Tally, path: Path) -> Path:
+    """A PNG: one panel per budget key, used+reserved against its limit, refusals marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(k for k, v in tally.keys.items() if v.points)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = 2 if len(keys) > 1 else 1
+    rows = max(1, (len(keys) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 2.8 * rows), squeeze=False)
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        view = tally.keys[key]
+        xs, ys = zip(*sorted(view.points), strict=True)
+        ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.3, label="used + reserved")
+        ax.axhline(view.limit, color="black", linestyle="--", linewidth=1, label="limit")
+        if view.refusals:
+            ax.plot(
+                view.refusals,
+                [view.limit] * len(view.refusals),
+                "x",
+                color="red",
+                markersize=6,
+                label=f"refused ({len(view.refusals)})",
+            )
+        tenant = key.split("tenant=")[1].split("|")[0] if "tenant=" in key else ""
+        for at, _ in (t for t in tally.late if tenant and t[1].startswith(tenant + ":")):
+            ax.axvline(at, color="tab:cyan", alpha=0.5, linewidth=1)
+        ax.set_title(f"{key}  ({view.unit}, {view.window_s}s window)", fontsize=9)
+        ax.set_ylim(0, max(view.limit, max(ys)) * 1.15)
+        ax.set_xlabel("seconds since start", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(
+        f"spendgate demo: {tally.admitted} admitted, {tally.refused} refused, "
+        f"{tally.cancelled} cancelled, {tally.late_reports} late reports (cyan lines)",
+        fontsize=11,
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_demo(
+    base_url: str = "http://127.0.0.1:8787",
+    seconds: float = 40.0,
+    *,
+    chart: str | Path | None = DEFAULT_CHART,
+    seed: int | None = None,
+    late_reports: bool = True,
+) -> Tally:
+    """Drive admits, streaming generations, cancellations and late usage reports for
+    ``seconds``, show the windows fill, and write a PNG chart to ``chart`` (None: no chart).
+
+    Late reports go straight to Kafka (``SPENDGATE_KAFKA_BOOTSTRAP`` /
+    ``SPENDGATE_TOPIC_PREFIX``, as the worker reads them).
+    """
+    tally = asyncio.run(_run(base_url, seconds, seed, late_reports))
+    console = Console()
+    console.print(
+        f"demo done: {tally.admitted} admitted, {tally.refused} refused, "
+        f"{tally.committed} committed, {tally.cancelled} cancelled, "
+        f"{tally.late_reports} late reports"
+    )
+    if chart is not None and tally.keys:
+        written = write_chart(tally, Path(chart))
+        console.print(f"chart: {written}")
+    return tally

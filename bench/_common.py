@@ -1,0 +1,231 @@
+"""Shared helpers of the benchmarks: subprocesses, ports, percentiles, plots, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLOTS = ROOT / "bench" / "plots"
+KAFKA = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+REDIS = os.environ.get("SPENDGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def run_id(kind: str) -> str:
+    """A unique name stem for this run's topics and Redis keys (``bench<kind><hex>``)."""
+    return f"bench{kind}{uuid.uuid4().hex[:8]}"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(port: int, path: str = "/healthz", timeout_s: float = 30.0) -> None:
+    """Wait until ``GET path`` answers on loopback (any status)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing answered on :{port}{path} within {timeout_s}s")
+
+
+@contextlib.contextmanager
+def process(
+    argv: Sequence[str], env: dict[str, str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a child process for the block; SIGTERM then SIGKILL it afterwards (by pid)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            list(argv), env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` (nearest-rank on the sorted list)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def summary_ms(latencies_s: Sequence[float]) -> dict[str, float]:
+    """p50/p99/p99.9/max in milliseconds."""
+    return {
+        "p50_ms": pct(latencies_s, 50) * 1000,
+        "p99_ms": pct(latencies_s, 99) * 1000,
+        "p999_ms": pct(latencies_s, 99.9) * 1000,
+        "max_ms": (max(latencies_s) * 1000) if latencies_s else float("nan"),
+    }
+
+
+def machine() -> dict[str, str]:
+    """What this ran on: CPU model, cores, RAM, versions."""
+    model = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) // 1024} MiB"
+    load = "?"
+    with contextlib.suppress(OSError):
+        load = Path("/proc/loadavg").read_text().split()[0]
+    return {
+        "cpu": model,
+        "cores": str(os.cpu_count()),
+        "ram": mem,
+        "loadavg_1m_at_start": load,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+def print_header(title: str, params: dict[str, object]) -> None:
+    """Print the benchmark's title, parameters and machine as the first lines."""
+    print(f"== {title}")
+    print("machine: " + json.dumps(machine()))
+    print("params:  " + json.dumps(params, default=str))
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain aligned table (also valid as a Markdown table)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+        if n == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+def delete_redis_prefix(url: str, prefix: str) -> int:
+    """Delete every Redis key starting with ``prefix`` (this run's keys only)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    n = 0
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=f"{prefix}*", count=2000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                n += int(client.delete(*batch))
+                batch = []
+        if batch:
+            n += int(client.delete(*batch))
+    finally:
+        client.close()
+    return n
+
+
+def delete_topics(bootstrap: str, prefix: str) -> None:
+    """Delete every topic whose name starts with ``prefix`` (this run's topics only)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def _go() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            names = [t for t in await admin.list_topics() if t.startswith(prefix)]
+            if names:
+                await admin.delete_topics(names)
+        finally:
+            await admin.close()
+
+    with contextlib.suppress(Exception):
+        asyncio.run(_go())
+
+
+@dataclass
+class Series:
+    """One latency sample series for a CDF plot."""
+
+    label: str
+    latencies_s: list[float]
+
+
+def plot_cdf(path: Path, title: str, series: Sequence[Series]) -> Path:
+    """Latency percentile plot (x: percentile on a log 'nines' scale, y: ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for s in series:
+        if not s.latencies_s:
+            continue
+        data = np.sort(np.asarray(s.latencies_s) * 1000)
+        q = (np.arange(1, len(data) + 1) - 0.5) / len(data)
+        x = 1 / (1 - q)
+        ax.plot(x, data, label=f"{s.label} (n={len(data)})", linewidth=1.4)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [2, 10, 100, 1000]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(["p50", "p90", "p99", "p99.9"])
+    ax.set_xlim(1, 2000)
+    ax.set_ylabel("latency (ms, log)")
+    ax.set_xlabel("percentile")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def python() -> str:
+    """This interpreter (the project's venv when run as documented)."""
+    return sys.executable

@@ -1,0 +1,426 @@
+"""Admission benchmark: latency and admits/s of a real ``spendgate admission`` server.
+
+Load comes from a separate process on loopback, closed-loop (N connections, each sends
+its next request when the previous answer arrived) and open-loop at a fixed rate (latency
+measured from each request's *intended* send time, so a stall is charged to every request
+it delayed: corrected for coordinated omission). Requests match 1, 5 or 50 budgets.
+
+Baselines measured in the same run:
+  (a) ``lua``: the same ADMIT script through ``admission.store.BudgetStore.admit`` with
+      the client ``admission.server.redis_client`` builds (plans prebuilt, so only the
+      script round trip is timed), from a separate process;
+  (b) ``empty``: a FastAPI app with one empty route served by uvicorn with the same
+      settings as ``spendgate admission``.
+
+Run: ``.venv/bin/python -m bench.admission`` (``--smoke`` for the CI mode, ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench import _common as c
+from bench import _profile
+
+WINDOW = "1h"
+BUCKET = "1m"
+ESTIMATE = {"requests": 1, "input_tokens": 100, "output_tokens": 100}
+
+
+# --------------------------------------------------------------------------- load side
+
+
+async def _load(spec: dict[str, Any]) -> dict[str, Any]:
+    tenants = int(spec["tenants"])
+    model = spec["model"]
+    tag = spec["tag"]
+    pool: asyncio.Queue[Any] = asyncio.Queue()
+    if spec["target"] == "lua":
+        from admission.app import build_plans
+        from admission.server import redis_client
+        from admission.settings import AdmissionSettings
+        from admission.store import BudgetStore
+        from schemas.events import Subject, Usage
+
+        settings = AdmissionSettings(redis_url=spec["redis_url"], redis_prefix=spec["prefix"])
+        client = redis_client(settings)
+        store = BudgetStore(
+            client, settings.redis_prefix, settings.policy_refresh_s, settings.redis_down_s
+        )
+        policies = await store.policies()
+        est = Usage(**ESTIMATE)
+        plans = [
+            build_plans(policies, Subject(tenant=f"t{t}", model=model), est, None)
+            for t in range(tenants)
+        ]
+        assert all(len(p[0].charges) == spec["budgets"] for p in plans), "policy mismatch"
+
+        async def call(i: int) -> int:
+            r = await store.admit(f"{tag}-{i}", uuid.uuid4().hex, plans[i % tenants], 100)
+            return 200 if r.outcome == "allow" else 429
+
+    else:
+        from bench._http import Conn, post
+
+        for _ in range(int(spec["connections"])):
+            pool.put_nowait(await Conn.open("127.0.0.1", int(spec["port"])))
+        est_json = json.dumps(ESTIMATE, separators=(",", ":"))
+
+        async def call(i: int) -> int:
+            body = (
+                f'{{"request_id":"{tag}-{i}","subject":{{"tenant":"t{i % tenants}",'
+                f'"model":"{model}"}},"estimate":{est_json}}}'
+            ).encode()
+            conn = await pool.get()
+            try:
+                status, _ = await conn.request(post("/v1/admit", body))
+            finally:
+                pool.put_nowait(conn)
+            return status
+
+    statuses: Counter[str] = Counter()
+
+    async def safe(i: int) -> str:
+        try:
+            return str(await call(i))
+        except Exception as exc:  # noqa: BLE001 - an overloaded target is a result
+            return type(exc).__name__
+
+    latencies: list[float] = []
+    seconds = float(spec["seconds"])
+    cap = int(spec["max_requests"])
+    # Warm up (connections, caches, the script cache); not recorded.
+    await asyncio.gather(*(safe(-1 - k) for k in range(min(100, cap))))
+    counter = iter(range(cap))
+    start = time.perf_counter()
+    if spec["mode"] == "closed":
+        deadline = start + seconds
+
+        async def worker() -> None:
+            for i in counter:
+                if time.perf_counter() > deadline:
+                    return
+                t0 = time.perf_counter()
+                status = await safe(i)
+                latencies.append(time.perf_counter() - t0)
+                statuses[status] += 1
+
+        await asyncio.gather(*(worker() for _ in range(int(spec["concurrency"]))))
+        elapsed = time.perf_counter() - start
+    else:
+        rate = float(spec["rate"])
+        tasks: list[asyncio.Task[None]] = []
+
+        async def one(i: int, intended: float) -> None:
+            status = await safe(i)
+            # From the intended send time: time spent waiting to be sent counts too.
+            latencies.append(time.perf_counter() - intended)
+            statuses[status] += 1
+
+        for i in counter:
+            intended = start + i / rate
+            if intended - start > seconds:
+                break
+            delay = intended - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, intended)))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        elapsed = time.perf_counter() - start
+    return {
+        "n": len(latencies),
+        "elapsed_s": elapsed,
+        "statuses": dict(statuses),
+        "latencies": latencies,
+    }
+
+
+def _load_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result = asyncio.run(_load(spec))
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def _policies(budgets: list[int]) -> list[Any]:
+    from schemas.policies import Policy
+
+    return [
+        Policy.model_validate(
+            {
+                "id": f"b{n}-{i}",
+                "match": {"model": f"m{n}"},
+                "group_by": ["tenant"],
+                "unit": "total_tokens",
+                "limit": 10**12,
+                "window": WINDOW,
+                "bucket": BUCKET,
+            }
+        )
+        for n in budgets
+        for i in range(n)
+    ]
+
+
+async def _prepare(rid: str, budgets: list[int], tenants: int) -> None:
+    """Topics, the policies in Redis, and a 60-bucket (dense) window on every key used."""
+    import redis.asyncio as aioredis
+
+    from schemas import window_codec
+    from schemas.events import Subject
+    from schemas.matching import targets
+    from schemas.redis_keys import window_key
+    from streams.materialize import RedisMaterializer
+    from streams.settings import WorkerSettings
+    from streams.topics import ensure_topics
+
+    await ensure_topics(
+        WorkerSettings(kafka_bootstrap=c.KAFKA, topic_prefix=f"{rid}.", partitions=1)
+    )
+    policies = _policies(budgets)
+    client = aioredis.Redis.from_url(c.REDIS)
+    try:
+        await RedisMaterializer(client, f"{rid}:").write_policies(policies)
+        now_ms = int(time.time() * 1000)
+        head = now_ms - now_ms % 60_000
+        value = window_codec.encode({head - k * 60_000: 100 for k in range(60)}, 60_000)
+        async with client.pipeline(transaction=False) as pipe:
+            for n in budgets:
+                for t in range(tenants):
+                    for target in targets(policies, Subject(tenant=f"t{t}", model=f"m{n}")):
+                        pipe.set(window_key(f"{rid}:", target.key), value, px=7_200_000)
+            await pipe.execute()
+    finally:
+        await client.aclose()
+
+
+def _absorb(rid: str) -> None:
+    """Forget the pending reservations and request records between runs, as the worker
+    would absorb them; otherwise each run would scan the last run's pending entries."""
+    for pattern in ("p:", "req:", "res:"):
+        c.delete_redis_prefix(c.REDIS, f"{rid}:{pattern}")
+
+
+def _run_load(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    name = f"{spec['label']}-{uuid.uuid4().hex[:6]}".replace(" ", "_").replace("/", "_")
+    spec_path = tmp / f"{name}.json"
+    spec["out"] = str(tmp / f"{name}.out.json")
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run(
+        [c.python(), "-m", "bench.admission", "--load", str(spec_path)],
+        check=True,
+        cwd=c.ROOT,
+        timeout=float(spec["seconds"]) + 120,
+    )
+    result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
+    result["label"] = spec["label"]
+    result["mode"] = spec["mode"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.admission", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per run")
+    ap.add_argument("--rate", type=float, default=500.0, help="open-loop requests/s")
+    ap.add_argument("--concurrency", type=int, default=32, help="closed-loop connections")
+    ap.add_argument("--budgets", default="1,5,50", help="budgets matched per request")
+    ap.add_argument("--tenants", type=int, default=500, help="distinct tenants (keys/policy)")
+    ap.add_argument("--max-requests", type=int, default=200_000, help="cap per run")
+    ap.add_argument("--smoke", action="store_true", help="tiny CI run (a few hundred requests)")
+    ap.add_argument("--profile", action="store_true", help="py-spy the server under load")
+    ap.add_argument("--plots", default=str(c.PLOTS), help="where PNGs go ('' for none)")
+    ap.add_argument("--load", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.load:
+        _load_main(args.load)
+        return 0
+    budgets = [int(x) for x in args.budgets.split(",")]
+    if args.smoke:
+        args.seconds, args.rate, args.tenants, args.max_requests = 0.5, 200.0, 20, 200
+        budgets = [1]
+        args.plots = ""
+    rid = c.run_id("adm")
+    c.print_header(
+        "admission benchmark",
+        {
+            "seconds_per_run": args.seconds,
+            "open_loop_rate": args.rate,
+            "closed_loop_connections": args.concurrency,
+            "budgets": budgets,
+            "tenants": args.tenants,
+            "window": WINDOW,
+            "bucket": BUCKET,
+            "prefill": "60 non-empty 1m buckets per key",
+            "run": rid,
+        },
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f"{rid}-"))
+    asyncio.run(_prepare(rid, budgets, args.tenants))
+    sg_port, empty_port = c.free_port(), c.free_port()
+    env = {
+        "SPENDGATE_KAFKA_BOOTSTRAP": c.KAFKA,
+        "SPENDGATE_REDIS_URL": c.REDIS,
+        "SPENDGATE_TOPIC_PREFIX": f"{rid}.",
+        "SPENDGATE_REDIS_PREFIX": f"{rid}:",
+        "SPENDGATE_ADMISSION_PORT": str(sg_port),
+    }
+    results: list[dict[str, Any]] = []
+    profile_lines: list[str] = []
+    try:
+        with (
+            c.process(
+                [c.python(), "-m", "spendgate", "admission"], env, tmp / "admission.log"
+            ) as server,
+            c.process(
+                [c.python(), "-m", "bench._empty_app", str(empty_port)], {}, tmp / "empty.log"
+            ),
+        ):
+            c.wait_http(sg_port, "/readyz")
+            c.wait_http(empty_port, "/healthz")
+            base = {
+                "seconds": args.seconds,
+                "max_requests": args.max_requests,
+                "tenants": args.tenants,
+                "redis_url": c.REDIS,
+                "prefix": f"{rid}:",
+                "concurrency": args.concurrency,
+                "rate": args.rate,
+            }
+
+            def run(label: str, target: str, mode: str, n: int, port: int = 0) -> None:
+                spec = {
+                    **base,
+                    "label": label,
+                    "target": target,
+                    "mode": mode,
+                    "budgets": n,
+                    "model": f"m{n}",
+                    "port": port,
+                    "tag": f"{rid}-{uuid.uuid4().hex[:6]}",
+                    "connections": args.concurrency if mode == "closed" else 64,
+                }
+                results.append(_run_load(spec, tmp))
+                _absorb(rid)
+                last = results[-1]
+                print(
+                    f"  ran {label:34s} {mode:6s} n={last['n']:>7,} "
+                    f"{last['n'] / last['elapsed_s']:>9,.0f}/s statuses={last['statuses']}",
+                    flush=True,
+                )
+
+            run("baseline empty endpoint", "http", "closed", 1, empty_port)
+            for n in budgets:
+                run(f"spendgate /v1/admit, {n} budget(s)", "http", "closed", n, sg_port)
+                run(f"baseline lua direct, {n} budget(s)", "lua", "closed", n)
+            run("baseline empty endpoint (again)", "http", "closed", 1, empty_port)
+            run("baseline empty endpoint", "http", "open", 1, empty_port)
+            for n in budgets:
+                run(f"spendgate /v1/admit, {n} budget(s)", "http", "open", n, sg_port)
+                run(f"baseline lua direct, {n} budget(s)", "lua", "open", n)
+            if args.profile:
+                out = tmp / "admission-profile.txt"
+                n = 5 if 5 in budgets else budgets[0]
+                spy = _profile.start(server.pid, max(2.0, args.seconds - 1), out)
+                run(f"spendgate (profiled), {n} budget(s)", "http", "closed", n, sg_port)
+                if spy is not None:
+                    spy.wait(timeout=60)
+                profile_lines = _profile.summarize(out, top=15)
+    finally:
+        c.delete_redis_prefix(c.REDIS, f"{rid}:")
+        c.delete_topics(c.KAFKA, f"{rid}.")
+    _report(results, args, budgets, profile_lines)
+    return 0
+
+
+def _report(
+    results: list[dict[str, Any]], args: argparse.Namespace, budgets: list[int], prof: list[str]
+) -> None:
+    rows = []
+    for r in results:
+        s = c.summary_ms(r["latencies"])
+        ok = sum(v for k, v in r["statuses"].items() if k == "200")
+        rows.append(
+            [
+                r["label"],
+                r["mode"] if r["mode"] == "closed" else f"open {args.rate:.0f}/s",
+                r["n"],
+                ok / r["elapsed_s"],
+                s["p50_ms"],
+                s["p99_ms"],
+                s["p999_ms"],
+                s["max_ms"],
+                ",".join(f"{k}:{v}" for k, v in sorted(r["statuses"].items())),
+            ]
+        )
+    print()
+    c.print_table(
+        [
+            "run",
+            "load",
+            "requests",
+            "admits/s (200)",
+            "p50 ms",
+            "p99 ms",
+            "p99.9 ms",
+            "max ms",
+            "statuses",
+        ],
+        rows,
+    )
+
+    def find(label_start: str, mode: str) -> list[dict[str, Any]]:
+        return [r for r in results if r["label"].startswith(label_start) and r["mode"] == mode]
+
+    empties = find("baseline empty endpoint", "closed")
+    empty_rps = max(r["n"] / r["elapsed_s"] for r in empties)
+    print()
+    print("targets:")
+    for n in budgets:
+        sg_closed = find(f"spendgate /v1/admit, {n} ", "closed")[0]
+        sg_open = find(f"spendgate /v1/admit, {n} ", "open")[0]
+        lua_open = find(f"baseline lua direct, {n} ", "open")[0]
+        p99 = c.summary_ms(sg_open["latencies"])["p99_ms"]
+        lua_p99 = c.summary_ms(lua_open["latencies"])["p99_ms"]
+        rps = sg_closed["n"] / sg_closed["elapsed_s"]
+        print(
+            f"  {n:>2} budget(s): p99 at {args.rate:.0f}/s = {p99:.2f} ms (target <= 3 ms: "
+            f"{c.verdict(p99 <= 3.0)}; baseline lua direct p99 {lua_p99:.2f} ms)"
+        )
+        print(
+            f"  {n:>2} budget(s): closed-loop {rps:,.0f} admits/s = {100 * rps / empty_rps:.0f}% "
+            f"of the empty endpoint's {empty_rps:,.0f} req/s (target >= 50%: "
+            f"{c.verdict(rps >= 0.5 * empty_rps)})"
+        )
+    if prof:
+        print()
+        print("profile of the admission server under closed-loop load (py-spy):")
+        for line in prof:
+            print("  " + line)
+    if args.plots:
+        plots = Path(args.plots)
+        for mode, title in (
+            ("open", f"admission latency, open loop {args.rate:.0f}/s (from intended send time)"),
+            ("closed", f"admission latency, closed loop, {args.concurrency} connections"),
+        ):
+            path = c.plot_cdf(
+                plots / f"admission-{mode}.png",
+                title,
+                [c.Series(f"{r['label']}", r["latencies"]) for r in results if r["mode"] == mode],
+            )
+            print(f"plot: {path.relative_to(c.ROOT)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Replay benchmark: ``streams.replay.replay()`` rebuild time against a raw consume.
+
+A topic of N commit events over K budget keys (the processor benchmark's workload) is
+produced; then, in the same run, a plain aiokafka consumer reads it (baseline, configured
+as replay's own consumer) and ``replay()`` rebuilds every key and restores Redis.
+
+Run: ``.venv/bin/python -m bench.replay`` (``--smoke`` for the CI mode, ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import _common as c
+from bench import _kafka as k
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--keys", type=int, default=10_000)
+    ap.add_argument("--smoke", action="store_true", help="tiny CI run (a few hundred events)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.events, args.keys = 300, 50
+    from streams.replay import replay
+
+    rid = c.run_id("rep")
+    s = k.settings(rid, Path(tempfile.mkdtemp(prefix=f"{rid}-")) / "tables")
+    c.print_header("replay benchmark", {"events": args.events, "keys": args.keys, "run": rid})
+    try:
+        asyncio.run(k.setup_topics(s))
+        produce_s = asyncio.run(k.fill(s, args.events, args.keys))
+        print(f"  produced {args.events:,} events in {produce_s:.1f} s", flush=True)
+        n_raw, raw_s = asyncio.run(k.raw_consume(s))
+        t0 = time.perf_counter()
+        summary = asyncio.run(replay(s))
+        replay_s = time.perf_counter() - t0
+        n_raw2, raw2_s = asyncio.run(k.raw_consume(s))
+    finally:
+        c.delete_redis_prefix(c.REDIS, f"{rid}:")
+        c.delete_topics(c.KAFKA, rid)
+    raw_best = min(raw_s, raw2_s)
+    print()
+    c.print_table(
+        ["run", "records", "keys", "seconds", "records/s", "x raw"],
+        [
+            [
+                "baseline: raw aiokafka consume (before)",
+                n_raw,
+                "-",
+                raw_s,
+                n_raw / raw_s,
+                f"{raw_s / raw_best:.2f}",
+            ],
+            [
+                "spendgate replay() (rebuild + restore Redis)",
+                summary.records,
+                summary.keys,
+                replay_s,
+                summary.records / replay_s,
+                f"{replay_s / raw_best:.2f}",
+            ],
+            [
+                "baseline: raw aiokafka consume (after)",
+                n_raw2,
+                "-",
+                raw2_s,
+                n_raw2 / raw2_s,
+                f"{raw2_s / raw_best:.2f}",
+            ],
+        ],
+    )
+    print()
+    ratio = replay_s / raw_best
+    print(
+        f"targets: replay {replay_s:.2f} s = {ratio:.1f}x the raw consume {raw_best:.2f} s "
+        f"(target <= 2x: {c.verdict(ratio <= 2.0)})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
