@@ -455,7 +455,7 @@ def create_app(
 
     def _fallback(body: AdmitRequest, plans: list[Plan], why: StoreUnavailable) -> JSONResponse:
         """Answer without Redis, following the strictest failure mode."""
-        previous = local.answers.get(body.request_id)
+        previous = local.answers.get((body.subject.tenant, body.request_id))
         if previous is not None:
             return JSONResponse(previous[0], previous[1], previous[2])
         charges = plans[0].charges
@@ -519,7 +519,7 @@ def create_app(
         )
         response = _answer(decision, 200, {"Spendgate-Fallback": mode})
         local.answers.put(
-            body.request_id,
+            (body.subject.tenant, body.request_id),
             (decision.model_dump(mode="json", exclude_none=True), 200, dict(response.headers)),
         )
         return response

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +43,12 @@ class LocalReservation:
     settled: str | None = None
 
 
-class _Bounded(OrderedDict[str, Any]):
+class _Bounded(OrderedDict[Hashable, Any]):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
 
-    def put(self, key: str, value: Any) -> None:
+    def put(self, key: Hashable, value: Any) -> None:
         self[key] = value
         self.move_to_end(key)
         while len(self) > self.size:

@@ -138,6 +138,8 @@ class BudgetStore:
         self._settle = client.register_script(SETTLE)
         self._policies: list[Policy] | None = None
         self._version: bytes | str | None = None
+        #: Redis lost the budget state (policies gone after being seen): see ``policies``.
+        self.lost = False
         self._checked = 0.0
         self._down_until = 0.0
         self._refreshing = asyncio.Lock()
@@ -181,7 +183,10 @@ class BudgetStore:
             version = await self._call(
                 "policy version", lambda: self.client.get(policies_version_key(self.prefix))
             )
-            if version != self._version or self._policies is None:
+            # Policies seen before and now gone: Redis lost its data (flush, restart). Keep
+            # the last policies so the failure modes can apply until the worker restores.
+            self.lost = version is None and self._version is not None
+            if not self.lost and (version != self._version or self._policies is None):
                 raw = await self._call(
                     "policies", lambda: self.client.hgetall(policies_key(self.prefix))
                 )
@@ -191,7 +196,7 @@ class BudgetStore:
             if self._policies is None:
                 raise
         self._checked = time.monotonic()
-        return self._policies
+        return self._policies if self._policies is not None else []
 
     @property
     def known_policies(self) -> list[Policy] | None:
@@ -210,10 +215,17 @@ class BudgetStore:
         """Decide over every plan's keys and reserve on all of one plan's keys, or none.
 
         Raises:
-            StoreUnavailable: Redis did not answer.
+            StoreUnavailable: Redis did not answer, or lost its data (the windows are gone
+                until the worker rewrites them, so deciding from them would over-admit).
         """
+        if self.lost:
+            raise StoreUnavailable(
+                "budget state is missing from Redis (flushed or restarted); the worker is "
+                "restoring it",
+                None,
+            )
         keys = [
-            request_key(self.prefix, request_id),
+            request_key(self.prefix, plans[0].subject.tenant, request_id),
             reservation_key(self.prefix, reservation_id),
         ]
         record_ttl_ms = RECORD_GRACE_MS

@@ -122,7 +122,7 @@ async def raw_consume(s: Any, parse: bool = False) -> tuple[int, float]:
     return (records, seconds). ``parse``: also ``json.loads`` every value."""
     from aiokafka import AIOKafkaConsumer
 
-    from streams.kafka_util import partitions, stop
+    from streams.kafka_util import assign, partitions, stop
 
     consumer = AIOKafkaConsumer(
         bootstrap_servers=s.kafka_bootstrap, enable_auto_commit=False, max_poll_records=2000
@@ -131,7 +131,7 @@ async def raw_consume(s: Any, parse: bool = False) -> tuple[int, float]:
     try:
         t0 = time.perf_counter()
         tps = await partitions(consumer, s.topic("usage"))
-        consumer.assign(tps)
+        await assign(consumer, tps)
         end = await consumer.end_offsets(tps)
         for tp in tps:
             consumer.seek(tp, 0)

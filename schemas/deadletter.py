@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from datetime import datetime
 from typing import Self
 
@@ -14,6 +15,10 @@ from schemas.events import UtcDatetime
 
 def _as_text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="backslashreplace")
+
+
+#: How much of a refused record a dead letter carries (twice: as text and as base64).
+MAX_ORIGINAL_BYTES = 64 * 1024
 
 
 class DeadLetter(BaseModel):
@@ -29,6 +34,11 @@ class DeadLetter(BaseModel):
     reason: str = Field(min_length=1)
     original: str
     original_b64: str
+    #: Size of the whole record; ``original`` holds only its first :data:`MAX_ORIGINAL_BYTES`
+    #: when it is larger (``truncated``), so the dead letter always fits in a Kafka record.
+    original_size: int = Field(default=0, ge=0)
+    original_sha256: str = ""
+    truncated: bool = False
     topic: str | None = None
     partition: int | None = Field(default=None, ge=0)
     offset: int | None = Field(default=None, ge=0)
@@ -76,10 +86,14 @@ def dead_letter(
         pydantic.ValidationError: ``reason`` is empty, ``at`` is naive, or a position is
             negative.
     """
+    kept = raw[:MAX_ORIGINAL_BYTES]
     return DeadLetter(
         reason=reason,
-        original=_as_text(raw),
-        original_b64=base64.b64encode(raw).decode("ascii"),
+        original=_as_text(kept),
+        original_b64=base64.b64encode(kept).decode("ascii"),
+        original_size=len(raw),
+        original_sha256=hashlib.sha256(raw).hexdigest(),
+        truncated=len(kept) < len(raw),
         topic=topic,
         partition=partition,
         offset=offset,

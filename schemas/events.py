@@ -22,8 +22,20 @@ def _to_utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _since_epoch(value: datetime) -> datetime:
+    # Buckets are aligned to the Unix epoch; nothing before it can be counted.
+    if value < _EPOCH:
+        raise ValueError("must not be before 1970-01-01T00:00:00Z")
+    return value
+
+
 #: An RFC 3339 instant with an offset (naive times are refused), normalized to UTC.
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
+#: An event time: a :data:`UtcDatetime` not before the Unix epoch.
+EventDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc), AfterValidator(_since_epoch)]
 
 
 class _Frozen(BaseModel):
@@ -76,7 +88,7 @@ class _Event(_Frozen):
     schema_version: Literal[1] = 1
     event_id: Identifier
     subject: Subject
-    occurred_at: UtcDatetime
+    occurred_at: EventDatetime
 
     @property
     def occurred_ms(self) -> int:
@@ -90,7 +102,7 @@ class ReserveEvent(_Event):
     kind: Literal["reserve"] = "reserve"
     reservation_id: Identifier
     usage: Usage
-    expires_at: UtcDatetime
+    expires_at: EventDatetime
 
     @property
     def expires_ms(self) -> int:

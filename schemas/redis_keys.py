@@ -30,9 +30,12 @@ def policies_version_key(prefix: str) -> str:
     return f"{prefix}policies:version"
 
 
-def request_key(prefix: str, request_id: str) -> str:
-    """The first answer to an admit with this request id (idempotency)."""
-    return f"{prefix}req:{request_id}"
+def request_key(prefix: str, tenant: str | None, request_id: str) -> str:
+    """The first answer to an admit with this request id, scoped to the subject's tenant
+    (idempotency): two tenants reusing one request id are two requests. The tenant is
+    length-prefixed so no tenant or request id can address another pair."""
+    scope = tenant or ""
+    return f"{prefix}req:{len(scope)}:{scope}:{request_id}"
 
 
 def reservation_key(prefix: str, reservation_id: str) -> str:

@@ -8,7 +8,7 @@ from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
 
 from schemas.alerts import Alert
-from streams.kafka_util import partitions, stop
+from streams.kafka_util import assign, partitions, stop
 
 
 async def read_alerts(
@@ -21,7 +21,7 @@ async def read_alerts(
         tps = await partitions(consumer, topic)
         if not tps:
             return
-        consumer.assign(tps)
+        await assign(consumer, tps)
         end = await consumer.end_offsets(tps)
         if from_beginning:
             await consumer.seek_to_beginning(*tps)

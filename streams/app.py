@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -67,6 +68,9 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
         aioredis.Redis.from_url(settings.redis_url), settings.redis_prefix
     )
     published = {"version": -1}
+    # This worker's mark in Redis: when it is gone, Redis lost its data (flush, restart
+    # without persistence) and the worker rewrites everything it owns from its table.
+    marker = f"{settings.redis_prefix}worker:{uuid.uuid4().hex}"
 
     def horizon_ms() -> int:
         longest = max((p.window_ms for p in book.policies.values()), default=0)
@@ -77,10 +81,21 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
         await book.run()
 
     @app.timer(interval=0.5)  # type: ignore[untyped-decorator]
-    async def publish_policies() -> None:
-        if book.ready.is_set() and book.version != published["version"]:
+    async def keep_redis() -> None:
+        if not book.ready.is_set():
+            return
+        lost = not await materializer.client.exists(marker)
+        if lost or book.version != published["version"]:
             await materializer.write_policies(book.policies.values())
             published["version"] = book.version
+        recovery = getattr(app.tables, "recovery", None)
+        if lost and not (recovery is not None and recovery.in_recovery):
+            restored = 0
+            for key, value in list(table.items()):
+                await materializer.restore(key, KeyState.from_json(value))
+                restored += 1
+            await materializer.client.set(marker, b"1")
+            logger.info("wrote %d budget windows and the policies into Redis", restored)
 
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:

@@ -25,3 +25,16 @@ async def stop(consumer: AIOKafkaConsumer) -> None:
     """
     await asyncio.sleep(0)
     await consumer.stop()
+
+
+async def assign(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> None:
+    """Assign ``tps`` and wait until their initial positions are resolved.
+
+    ``assign()`` starts an offset reset (to the consumer's ``auto_offset_reset``) in the
+    background; a ``seek`` issued before it completes can be overridden by it, so a
+    read "from the beginning" silently starts at the end. Awaiting ``position()`` first
+    makes the following seeks stick.
+    """
+    consumer.assign(tps)
+    for tp in tps:
+        await consumer.position(tp)

@@ -79,8 +79,9 @@ class KeyState:
     settled: dict[str, int] = field(default_factory=dict)
     #: The latest event time seen on this key: the key's clock (see module docstring).
     high_ms: int = 0
-    #: The bucket width the buckets are kept in (0: none yet).
+    #: The bucket width the buckets are kept in (0: none yet) and the policy's window.
     bucket_ms: int = 0
+    window_ms: int = 0
     #: Alert bookkeeping: crossings so far per alert line, the lines usage is above now,
     #: and reservations already reported expired.
     crossings: dict[str, int] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class KeyState:
             "settled": self.settled,
             "hwm": self.high_ms,
             "bw": self.bucket_ms,
+            "ww": self.window_ms,
             "x": self.crossings,
             "above": sorted(self.above),
             "exp": sorted(self.expired),
@@ -113,6 +115,7 @@ class KeyState:
             settled=dict(raw["settled"]),
             high_ms=int(raw["hwm"]),
             bucket_ms=int(raw.get("bw", 0)),
+            window_ms=int(raw.get("ww", 0)),
             crossings=dict(raw.get("x", {})),
             above=set(raw.get("above", ())),
             expired=set(raw.get("exp", ())),
@@ -148,6 +151,7 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
     if rec.event_id in state.seen:
         return Change("duplicate", absorbed=absorbed)
     spec = rec.spec
+    state.window_ms = rec.window_ms
     rebucketed = _rebucket(state, rec.bucket_ms)
     state.seen[rec.event_id] = rec.occurred_ms
     if spec.bucket_of(rec.occurred_ms) < spec.first_live_bucket(state.high_ms):

@@ -39,6 +39,16 @@ class RedisMaterializer:
                 pipe.hdel(pending_key(self.prefix, key), change.absorbed)
             await pipe.execute()
 
+    async def restore(self, key: str, state: KeyState) -> None:
+        """Rewrite one key's window from its table state (after Redis lost its data)."""
+        if not (state.bucket_ms and state.window_ms):
+            return
+        await self.client.set(
+            window_key(self.prefix, key),
+            window_codec.encode(state.buckets, state.bucket_ms),
+            px=2 * state.window_ms,
+        )
+
     async def write_policies(self, policies: Iterable[Policy]) -> None:
         """Replace the policies hash with ``policies``."""
         pkey = policies_key(self.prefix)

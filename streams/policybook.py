@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from schemas.policies import Policy
-from streams.kafka_util import stop
+from streams.kafka_util import assign, stop
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PolicyBook:
         await consumer.start()
         try:
             tp = TopicPartition(self.topic, 0)
-            consumer.assign([tp])
+            await assign(consumer, [tp])
             await consumer.seek_to_beginning(tp)
             end = (await consumer.end_offsets([tp]))[tp]
             if end == 0:

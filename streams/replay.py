@@ -23,8 +23,9 @@ from schemas.redis_keys import pending_key, window_key
 from schemas.windows import WindowSpec
 from streams.alerting import evaluate
 from streams.fanout import fan_out
-from streams.kafka_util import partitions, stop
+from streams.kafka_util import assign, partitions, stop
 from streams.ledger import KeyedRecord, KeyState, apply
+from streams.materialize import RedisMaterializer
 from streams.policybook import read_policies
 from streams.settings import WorkerSettings
 
@@ -60,7 +61,7 @@ async def _read(
     rebuilt: Rebuilt,
     summary: ReplaySummary,
     progress: Progress | None,
-) -> None:
+) -> dict[str, Policy]:
     policies = await read_policies(settings.kafka_bootstrap, settings.topic("policies"))
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     longest = max((p.window_ms for p in policies.values()), default=0)
@@ -71,7 +72,7 @@ async def _read(
     await consumer.start()
     try:
         tps = await partitions(consumer, settings.topic("usage"))
-        consumer.assign(tps)
+        await assign(consumer, tps)
         end = await consumer.end_offsets(tps)
         start = {tp: 0 for tp in tps}
         if since is not None:
@@ -106,6 +107,7 @@ async def _read(
                 progress(summary.records, total)
     finally:
         await stop(consumer)
+    return policies
 
 
 def _one(
@@ -157,7 +159,7 @@ async def replay(
         progress: called with (records read, records to read).
     """
     rebuilt, summary = Rebuilt(), ReplaySummary()
-    await _read(settings, since, rebuilt, summary, progress)
+    policies = await _read(settings, since, rebuilt, summary, progress)
     summary.keys = len(rebuilt.states)
     client = aioredis.Redis.from_url(settings.redis_url)
     try:
@@ -177,6 +179,8 @@ async def replay(
                 for rid in rebuilt.absorbed.get(key, ()):
                     pipe.hdel(pending_key(settings.redis_prefix, key), rid)
                 await pipe.execute()
+        if not verify:
+            await RedisMaterializer(client, settings.redis_prefix).write_policies(policies.values())
     finally:
         await client.aclose()
     if emit_alerts and summary.alerts:

@@ -77,7 +77,7 @@ class TestAtomicity:
         assert all(r.json()["budgets"] == first.json()["budgets"] for r in repeats)
         assert await adm.pending(f"{policy.id}|tenant=idem") == 60
         assert adm.publisher.kinds() == ["reserve"]  # type: ignore[attr-defined]
-        ttl_ms = await adm.redis.pttl(request_key(adm.prefix, rid))
+        ttl_ms = await adm.redis.pttl(request_key(adm.prefix, "idem", rid))
         assert ttl_ms > policy.reservation_ttl_ms
         assert (await adm.admit("idem", input_tokens=60)).status_code == 429
 
