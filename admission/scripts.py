@@ -93,6 +93,8 @@ local function load(plan)
     local x = plan.targets[j]
     x.starts, x.amounts, x.count = window_decode(redis.call('GET', x.wkey), x.bucket)
     x.used = window_total(x.starts, x.amounts, x.count, now, x.window, x.bucket, x.boundary)
+    -- Refunds larger than the charges they correct never create extra room.
+    if x.used < 0 then x.used = 0 end
     local r, first_expiry = 0, nil
     local pend = redis.call('HGETALL', x.pkey)
     for i = 1, #pend, 2 do
