@@ -62,7 +62,20 @@ class Subject(_Frozen):
         return found if isinstance(found, str) else None
 
 
-class Usage(_Frozen):
+class _Amounts(_Frozen):
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: object) -> object:
+        # JSON numbers only: "100" and true are refused rather than read as 100 and 1 (5.0
+        # is an integer in JSON Schema's sense and is accepted; 5.5 is refused).
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if isinstance(value, str | bool):
+                    raise ValueError(f"{name}: must be a JSON integer, not {value!r}")
+        return data
+
+
+class Usage(_Amounts):
     """What a request used (or is estimated to use). Every field is a non-negative integer."""
 
     requests: Amount = 0
@@ -73,7 +86,7 @@ class Usage(_Frozen):
     cost_usd_micros: Amount | None = None
 
 
-class SignedUsage(_Frozen):
+class SignedUsage(_Amounts):
     """A correction: like :class:`Usage` but each field may be negative."""
 
     requests: SignedAmount = 0

@@ -11,9 +11,8 @@ from pydantic import AfterValidator, Field
 #: Largest amount any counter holds: Redis Lua numbers are doubles, exact to 2**53.
 MAX_AMOUNT = 2**53 - 1
 
-# Strict: "100", true and 5.0 are refused rather than read as numbers.
-Amount = Annotated[int, Field(ge=0, le=MAX_AMOUNT, strict=True)]
-SignedAmount = Annotated[int, Field(ge=-MAX_AMOUNT, le=MAX_AMOUNT, strict=True)]
+Amount = Annotated[int, Field(ge=0, le=MAX_AMOUNT)]
+SignedAmount = Annotated[int, Field(ge=-MAX_AMOUNT, le=MAX_AMOUNT)]
 PolicyId = Annotated[str, Field(pattern=r"^[a-z0-9._-]{1,64}$")]
 Identifier = Annotated[str, Field(min_length=1, max_length=200)]
 SubjectValue = Annotated[str, Field(min_length=1, max_length=200)]
