@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from schemas.prices import PriceCatalog
 
 _MIN_WINDOW_MS = 30_000
-_MAX_WINDOW_MS = 31 * 86_400_000
+MAX_WINDOW_MS = 31 * 86_400_000
 _MIN_TTL_MS = 1_000
 _MAX_TTL_MS = 86_400_000
 _GLOB_CHARS = frozenset("*?[")
@@ -95,7 +95,7 @@ class Policy(BaseModel):
     @field_validator("window")
     @classmethod
     def _window_range(cls, value: str) -> str:
-        if not _MIN_WINDOW_MS <= parse_duration_ms(value) <= _MAX_WINDOW_MS:
+        if not _MIN_WINDOW_MS <= parse_duration_ms(value) <= MAX_WINDOW_MS:
             raise ValueError(f"window {value} is outside 30s..31d")
         return value
 

@@ -200,7 +200,8 @@ def replay(
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())) or "none"
     console.print(
         f"read {summary.records} records ({summary.dead_lettered} dead-letter reasons, "
-        f"{summary.clamped} clamped); keyed records: {outcomes}; {summary.keys} budget keys; "
+        f"{summary.clamped} clamped, {summary.duplicates} duplicates); keyed records: "
+        f"{outcomes}; {summary.keys} budget keys; "
         f"{len(summary.alerts)} alerts" + ("" if verify else "; Redis restored")
     )
     if verify:

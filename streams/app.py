@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import faust
+import orjson
 import redis.asyncio as aioredis
 
 from schemas.deadletter import dead_letter
@@ -17,7 +19,9 @@ from schemas.policies import Policy
 from schemas.prices import load_catalog
 from streams import metrics
 from streams.alerting import evaluate
+from streams.dedupe import IdStore, Position
 from streams.fanout import fan_out
+from streams.id_rebuild import rebuild_ids
 from streams.ledger import KeyedRecord, KeyState, apply
 from streams.materialize import RedisMaterializer
 from streams.policybook import PolicyBook
@@ -26,11 +30,16 @@ from streams.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 
-def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = None) -> faust.App:
+def build_app(
+    settings: WorkerSettings,
+    policies: dict[str, Policy] | None = None,
+    retention_ms: int = -1,
+) -> faust.App:
     """Build the worker's faust app with its topics, table, agents and policy tail.
 
     ``policies``, read before the app starts, lets the agents begin without waiting for
-    the policy tail; the tail then keeps them current.
+    the policy tail; the tail then keeps them current. ``retention_ms`` is ``usage``'s
+    retention (-1: forever), checked again whenever the policies change.
     """
     app = faust.App(
         settings.app_id,
@@ -61,7 +70,7 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
     )
     dlq = app.topic(settings.topic("dlq"), value_serializer="raw", key_serializer="raw")
     alerts_topic = app.topic(settings.topic("alerts"), value_serializer="raw", key_type=str)
-    table = app.Table("keystate", partitions=settings.partitions, key_type=str)
+    table = app.Table("keystate", partitions=settings.partitions, key_type=str, value_type=bytes)
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"), policies)
     materializer = RedisMaterializer(
@@ -71,10 +80,43 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
     # This worker's mark in Redis: when it is gone, Redis lost its data (flush, restart
     # without persistence) and the worker rewrites everything it owns from its table.
     marker = f"{settings.redis_prefix}worker:{uuid.uuid4().hex}"
+    ids = IdStore(
+        settings.data_dir / f"{settings.app_id}-ids",
+        horizon_ms(settings, book.policies.values()),
+        settings.dedupe_memory_mb << 20,
+    )
+    app.ids = ids  # type: ignore[attr-defined]
+    horizon_version = {"version": book.version}
 
-    def horizon_ms() -> int:
+    def track_policies() -> None:
+        """Follow a policy change: the dedupe horizon and the retention it needs."""
+        if horizon_version["version"] == book.version:
+            return
+        horizon_version["version"] = book.version
+        ids.horizon_ms = horizon_ms(settings, book.policies.values())
         longest = max((p.window_ms for p in book.policies.values()), default=0)
-        return longest + settings.lateness_ms
+        short = 0 <= retention_ms < settings.retention_needed_ms(longest)
+        metrics.RETENTION_SHORT.set(int(short))
+        if short:
+            logger.warning(
+                "policies now need %d ms of retention on %s, which keeps %d ms: raise it",
+                settings.retention_needed_ms(longest),
+                settings.topic("usage"),
+                retention_ms,
+            )
+
+    async def dead_letter_raw(reason: str, raw: bytes, msg: Any) -> None:
+        metrics.DEAD_LETTERED.inc()
+        logger.warning("dead-lettered record at %s/%s: %s", msg.partition, msg.offset, reason)
+        record = dead_letter(
+            reason,
+            raw,
+            topic=msg.topic,
+            partition=msg.partition,
+            offset=msg.offset,
+            at=datetime.now(UTC),
+        )
+        await dlq.send(value=record.model_dump_json().encode())
 
     @app.task  # type: ignore[untyped-decorator]
     async def policy_tail() -> None:
@@ -92,10 +134,14 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
         if lost and not (recovery is not None and recovery.in_recovery):
             restored = 0
             for key, value in list(table.items()):
-                await materializer.restore(key, KeyState.from_json(value))
+                await materializer.restore(key, KeyState.from_bytes(value))
                 restored += 1
             await materializer.client.set(marker, b"1")
             logger.info("wrote %d budget windows and the policies into Redis", restored)
+
+    @app.timer(interval=5.0)  # type: ignore[untyped-decorator]
+    async def dedupe_figures() -> None:
+        metrics.DEDUPE_IDS.set(ids.size())
 
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
@@ -105,31 +151,30 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
             raw: bytes = event.value
             msg = event.message
             broker_ms = int(msg.timestamp * 1000)
+            pos = Position(msg.partition, msg.offset, broker_ms)
             metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
+            track_policies()
+            if ids.covered(pos.partition) < pos.offset - 1:
+                # First record of a partition this worker did not process up to here.
+                await rebuild_ids(settings.kafka_bootstrap, msg.topic, ids, pos)
             out = fan_out(
                 raw,
                 broker_ms=broker_ms,
                 policies=book.policies.values(),
                 prices=prices,
-                horizon_ms=horizon_ms(),
                 max_future_skew_ms=settings.max_future_skew_ms,
+                src=pos,
+                ids=ids,
             )
+            ids.advance(pos)
             for reason in [out.rejected] if out.rejected else out.partial:
-                metrics.DEAD_LETTERED.inc()
-                logger.warning(
-                    "dead-lettered usage record at %s/%s: %s", msg.partition, msg.offset, reason
-                )
-                record = dead_letter(
-                    reason,
-                    raw,
-                    topic=msg.topic,
-                    partition=msg.partition,
-                    offset=msg.offset,
-                    at=datetime.now(UTC),
-                )
-                await dlq.send(value=record.model_dump_json().encode())
+                await dead_letter_raw(reason, raw, msg)
             if out.rejected:
                 metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
+                continue
+            if out.duplicate:
+                metrics.DUPLICATES.inc()
+                metrics.EVENTS.labels(kind=out.kind, outcome="duplicate").inc()
                 continue
             metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
             if out.clamped:
@@ -139,14 +184,28 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
 
     @app.agent(keyed, concurrency=1)
     async def account(stream: faust.StreamT[dict[str, Any]]) -> None:
-        async for value in stream:
-            rec = KeyedRecord.from_json(value)
-            state = KeyState.from_json(table.get(rec.key))
+        async for event in stream.events():
+            rec = KeyedRecord.from_json(event.value)
+            state = KeyState.from_bytes(table.get(rec.key))
             change = apply(state, rec)
-            metrics.OUTCOMES.labels(outcome=change.outcome).inc()
             due = evaluate(state, rec) if change.outcome == "applied" else []
-            if change.outcome != "duplicate":
-                table[rec.key] = state.to_json()
+            if change.outcome != "redelivery":
+                value = state.to_bytes()
+                if len(value) > settings.max_value_bytes:
+                    # Written, this value would exceed the changelog's message limit and
+                    # stop the worker for good: the record is refused instead.
+                    metrics.OUTCOMES.labels(outcome="too_large").inc()
+                    metrics.UNWRITABLE.inc()
+                    await dead_letter_raw(
+                        f"budget key {rec.key}: its state would be {len(value)} bytes, over "
+                        f"max_value_bytes {settings.max_value_bytes}; the record was not "
+                        f"applied (narrow the policy's window or widen its bucket)",
+                        orjson.dumps(event.value),
+                        event.message,
+                    )
+                    continue
+                table[rec.key] = value
+            metrics.OUTCOMES.labels(outcome=change.outcome).inc()
             await materializer.write(rec.key, state, change, rec.spec)
             if rec.broker_ms:
                 metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
@@ -156,3 +215,8 @@ def build_app(settings: WorkerSettings, policies: dict[str, Policy] | None = Non
                 await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
 
     return app
+
+
+def horizon_ms(settings: WorkerSettings, policies: Iterable[Policy]) -> int:
+    """The dedupe horizon in force with ``policies``."""
+    return settings.horizon_ms(max((p.window_ms for p in policies), default=0))

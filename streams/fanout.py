@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from schemas.events import parse_event
+from schemas.events import UsageEvent, parse_event
 from schemas.exceptions import SpendgateError
 from schemas.matching import targets
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
+from streams.dedupe import IdStore, Position, event_digest, settled_digest
 from streams.ledger import KeyedRecord, keyed_record
 
 
@@ -26,6 +27,8 @@ class Fanout:
     #: Per-policy problems (the other policies still count the event).
     partial: list[str] = field(default_factory=list)
     clamped: bool = False
+    #: A producer duplicate within the dedupe horizon (it changes nothing).
+    duplicate: bool = False
 
 
 def _reason(exc: ValidationError) -> str:
@@ -36,19 +39,42 @@ def _reason(exc: ValidationError) -> str:
     return "invalid event: " + "; ".join(parts)
 
 
+def note(ids: IdStore, src: Position, event: UsageEvent) -> tuple[bool, bool]:
+    """Check one valid event against the id set and remember what it settles.
+
+    Returns:
+        ``(duplicate, settled)``: whether it is a producer duplicate within the horizon,
+        and, for a ``reserve``, whether its reservation was settled before it arrived.
+    """
+    tenant = event.subject.tenant
+    if ids.check(src, event_digest(tenant, event.event_id)) == "duplicate":
+        return True, False
+    rid = getattr(event, "reservation_id", None)
+    if rid is None:
+        return False, False
+    mark = settled_digest(tenant, rid)
+    if event.kind == "reserve":
+        return False, ids.seen_before(src, mark)
+    ids.remember(src, mark)
+    return False, False
+
+
 def fan_out(
     raw: bytes,
     *,
     broker_ms: int,
     policies: Iterable[Policy],
     prices: PriceCatalog | None,
-    horizon_ms: int,
     max_future_skew_ms: int,
+    src: Position,
+    ids: IdStore | None = None,
 ) -> Fanout:
     """Validate ``raw`` and build its record for every matching policy's budget key.
 
     ``occurred_at`` more than ``max_future_skew_ms`` after the broker timestamp is clamped
-    to the broker timestamp (``clamped``).
+    to the broker timestamp (``clamped``). With ``ids``, a producer duplicate of an event
+    seen within the horizon yields ``duplicate`` and no records, and settlements are
+    remembered so a ``reserve`` arriving after its own commit or release charges nothing.
     """
     try:
         event = parse_event(raw)
@@ -57,12 +83,25 @@ def fan_out(
         return Fanout(rejected=_reason(exc))
     except SpendgateError as exc:
         return Fanout(kind=None, rejected=str(exc))
+    duplicate, settled = note(ids, src, event) if ids is not None else (False, False)
+    if duplicate:
+        return Fanout(kind=event.kind, duplicate=True)
     clamped = event.occurred_ms > broker_ms + max_future_skew_ms
     occurred_ms = broker_ms if clamped else event.occurred_ms
     out = Fanout(kind=event.kind, clamped=clamped)
     for target in matched:
         try:
-            out.records.append(keyed_record(event, target, horizon_ms, prices, occurred_ms))
+            out.records.append(
+                keyed_record(
+                    event,
+                    target,
+                    src_partition=src.partition,
+                    src_offset=src.offset,
+                    prices=prices,
+                    occurred_ms=occurred_ms,
+                    settled=settled,
+                )
+            )
         except SpendgateError as exc:
             out.partial.append(f"policy {target.policy.id}: {exc}")
     return out

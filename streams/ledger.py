@@ -1,8 +1,13 @@
-"""Pure per-budget-key accounting: buckets, dedupe and the reservation lifecycle.
+"""Pure per-budget-key accounting: buckets, redelivery by position, reservations.
 
-One ``KeyState`` holds everything about one budget key, so the buckets, the dedupe
-memory, open reservations and alert bookkeeping are written in one table record (one
-changelog message) and commit together.
+One ``KeyState`` holds everything about one budget key that its window needs, so it is
+written in one table record (one changelog message) and its size depends on the window,
+never on how many events the key has seen: the buckets (the compact codec), the open
+reservations, the alert marks, and per source partition the offset of the last record
+applied. A record at or below that offset is a *redelivery* (the worker died between
+writing the state and committing its offsets) and changes nothing. Producer duplicates
+(the same ``event_id`` at another offset) never reach this module: ``streams.dedupe``
+drops them before the fan-out.
 
 Clock: event time only. A key's clock is the latest ``occurred_at`` it has seen
 (``high_ms``): it decides what is too late, what is pruned, and when a reservation counts
@@ -11,14 +16,24 @@ state and the same alerts. A reservation's estimate sits in the bucket of its
 ``occurred_at`` from its ``reserve`` until its ``commit`` replaces it or its ``release``
 frees it; expiry changes no amount (the estimate simply stays charged), so windows do not
 depend on when expiry is noticed.
+
+Table value format (``KeyState.to_bytes``), version 2::
+
+    u8 2 | u32 n (little-endian) | n bytes: buckets in the schemas.window_codec layout
+         | JSON: reservations, clock, widths, alert marks, offsets
+
+Version 1 (a JSON object that also kept every event id seen) is read and converted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import struct
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from schemas import windows
+import orjson
+
+from schemas import window_codec, windows
 from schemas.events import ReleaseEvent, ReserveEvent, UsageEvent
 from schemas.matching import BudgetTarget
 from schemas.prices import PriceCatalog
@@ -27,12 +42,21 @@ from schemas.units import amount
 from schemas.windows import WindowSpec
 
 Kind = Literal["reserve", "commit", "release", "adjust"]
-Outcome = Literal["applied", "duplicate", "late_dropped"]
+Outcome = Literal["applied", "redelivery", "late_dropped"]
+
+#: The table value format written by :meth:`KeyState.to_bytes`.
+STATE_VERSION = 2
+_LEN = struct.Struct("<I")
 
 
 @dataclass(frozen=True, slots=True)
 class KeyedRecord:
-    """One usage event as it concerns one budget key (the repartitioned stream's value)."""
+    """One usage event as it concerns one budget key (the repartitioned stream's value).
+
+    ``src_partition``/``src_offset`` are the usage record's position in ``budget.usage``;
+    a key applies each position once. ``settled`` marks a ``reserve`` whose reservation
+    was committed or released before it arrived (it charges nothing).
+    """
 
     event_id: str
     kind: Kind
@@ -42,12 +66,14 @@ class KeyedRecord:
     amount: int
     window_ms: int
     bucket_ms: int
-    horizon_ms: int
     limit: int
+    src_partition: int
+    src_offset: int
     boundary: Boundary = "include"
     thresholds: tuple[float, ...] = ()
     reservation_id: str | None = None
     expires_ms: int | None = None
+    settled: bool = False
     #: Broker timestamp of the usage record this came from (for the lag metric only).
     broker_ms: int = 0
 
@@ -64,19 +90,20 @@ class KeyedRecord:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> KeyedRecord:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{**raw, "thresholds": tuple(raw.get("thresholds", ()))})
+        """Inverse of :meth:`to_json` (fields it does not know are ignored)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known}
+        values["thresholds"] = tuple(raw.get("thresholds", ()))
+        return cls(**values)
 
 
 @dataclass(slots=True)
 class KeyState:
-    """The state of one budget key: buckets (start ms -> amount) and what was seen."""
+    """The state of one budget key: buckets (start ms -> amount) and what the window needs."""
 
     buckets: dict[int, int] = field(default_factory=dict)
-    seen: dict[str, int] = field(default_factory=dict)
     #: reservation id -> (occurred_ms, estimate, expires_ms) of reservations still open.
     reservations: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    settled: dict[str, int] = field(default_factory=dict)
     #: The latest event time seen on this key: the key's clock (see module docstring).
     high_ms: int = 0
     #: The bucket width the buckets are kept in (0: none yet) and the policy's window.
@@ -87,32 +114,59 @@ class KeyState:
     crossings: dict[str, int] = field(default_factory=dict)
     above: set[str] = field(default_factory=set)
     expired: set[str] = field(default_factory=set)
+    #: Source partition -> offset of the last record applied (redelivery by position).
+    offsets: dict[int, int] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        """Serialize for the table (JSON object keys are strings)."""
-        return {
-            "b": {str(k): v for k, v in self.buckets.items()},
-            "seen": self.seen,
+    def to_bytes(self) -> bytes:
+        """Serialize for the table (format version 2, see the module docstring)."""
+        body = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""
+        rest = {
             "res": {k: list(v) for k, v in self.reservations.items()},
-            "settled": self.settled,
             "hwm": self.high_ms,
             "bw": self.bucket_ms,
             "ww": self.window_ms,
             "x": self.crossings,
             "above": sorted(self.above),
             "exp": sorted(self.expired),
+            "off": {str(k): v for k, v in self.offsets.items()},
         }
+        return bytes([STATE_VERSION]) + _LEN.pack(len(body)) + body + orjson.dumps(rest)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any] | None) -> KeyState:
-        """Inverse of :meth:`to_json`; ``None`` is an empty state."""
+    def from_bytes(cls, raw: bytes | None) -> KeyState:
+        """Inverse of :meth:`to_bytes`; ``None`` is an empty state.
+
+        Version 1 values (JSON) are converted: their event ids and settled reservation
+        ids are dropped (``streams.dedupe`` keeps those now, rebuilt from the topic).
+
+        Raises:
+            ValueError: the value is in no format this version knows.
+        """
         if not raw:
             return cls()
+        if raw[0] == ord("{"):
+            return cls._from_v1(orjson.loads(raw))
+        if raw[0] != STATE_VERSION:
+            raise ValueError(f"key state format {raw[0]} is newer than this worker knows")
+        (n,) = _LEN.unpack_from(raw, 1)
+        body, rest = raw[5 : 5 + n], orjson.loads(raw[5 + n :])
+        return cls(
+            buckets=dict(window_codec.decode(body).buckets) if n else {},
+            reservations={k: (v[0], v[1], v[2]) for k, v in rest["res"].items()},
+            high_ms=rest["hwm"],
+            bucket_ms=rest["bw"],
+            window_ms=rest["ww"],
+            crossings=rest["x"],
+            above=set(rest["above"]),
+            expired=set(rest["exp"]),
+            offsets={int(k): v for k, v in rest["off"].items()},
+        )
+
+    @classmethod
+    def _from_v1(cls, raw: dict[str, Any]) -> KeyState:
         return cls(
             buckets={int(k): int(v) for k, v in raw["b"].items()},
-            seen=dict(raw["seen"]),
             reservations={k: (v[0], v[1], v[2]) for k, v in raw["res"].items()},
-            settled=dict(raw["settled"]),
             high_ms=int(raw["hwm"]),
             bucket_ms=int(raw.get("bw", 0)),
             window_ms=int(raw.get("ww", 0)),
@@ -134,8 +188,10 @@ class Change:
 
     @property
     def buckets_changed(self) -> bool:
-        """Whether the key's bucket state differs from before."""
-        return bool(self.touched) or self.pruned
+        """Whether Redis must get the key's window again: its buckets differ from
+        before, or this is a redelivery (the first attempt may have died before its
+        Redis write; rewriting the whole window is idempotent)."""
+        return bool(self.touched) or self.pruned or self.outcome == "redelivery"
 
 
 def _charge(
@@ -146,20 +202,24 @@ def _charge(
 
 
 def apply(state: KeyState, rec: KeyedRecord) -> Change:
-    """Apply one record to ``state`` in place and say what changed."""
+    """Apply one record to ``state`` in place and say what changed.
+
+    A record whose source position is at or below the key's offset for that partition
+    was applied before (a redelivery) and changes nothing.
+    """
     absorbed = rec.reservation_id if rec.kind == "reserve" else None
-    if rec.event_id in state.seen:
-        return Change("duplicate", absorbed=absorbed)
+    if rec.src_offset <= state.offsets.get(rec.src_partition, -1):
+        return Change("redelivery", absorbed=absorbed)
+    state.offsets[rec.src_partition] = rec.src_offset
     spec = rec.spec
     state.window_ms = rec.window_ms
     rebucketed = _rebucket(state, rec.bucket_ms)
-    state.seen[rec.event_id] = rec.occurred_ms
     if spec.bucket_of(rec.occurred_ms) < spec.first_live_bucket(state.high_ms):
-        return Change("late_dropped", absorbed=absorbed)
+        return Change("late_dropped", pruned=rebucketed, absorbed=absorbed)
     touched: list[int] = []
     rid = rec.reservation_id
     if rec.kind == "reserve" and rid is not None:
-        if rid not in state.settled:
+        if not rec.settled:
             _charge(spec, state, rec.occurred_ms, rec.amount, touched)
             state.reservations[rid] = (
                 rec.occurred_ms,
@@ -168,7 +228,7 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
             )
     elif rec.kind in ("commit", "release") and rid is not None:
         held = state.reservations.pop(rid, None)
-        state.settled[rid] = rec.occurred_ms
+        state.expired.discard(rid)
         actual = rec.amount if rec.kind == "commit" else 0
         if held is not None:
             # The actual usage replaces the estimate in the reservation's own bucket.
@@ -179,9 +239,9 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
         _charge(spec, state, rec.occurred_ms, rec.amount, touched)
     pruned = False
     if spec.bucket_of(rec.occurred_ms) > spec.bucket_of(state.high_ms):
-        # Time entered a new bucket: forget what no window or dedupe horizon can reach.
+        # Time entered a new bucket: forget what no window can reach any more.
         state.high_ms = rec.occurred_ms
-        pruned = _prune(spec, state, rec.horizon_ms)
+        pruned = _prune(spec, state)
     state.high_ms = max(state.high_ms, rec.occurred_ms)
     return Change("applied", tuple(touched), pruned or rebucketed, absorbed)
 
@@ -200,12 +260,9 @@ def _rebucket(state: KeyState, bucket_ms: int) -> bool:
     return True
 
 
-def _prune(spec: WindowSpec, state: KeyState, horizon_ms: int) -> bool:
+def _prune(spec: WindowSpec, state: KeyState) -> bool:
     dropped = windows.prune(spec, state.buckets, state.high_ms)
     live = spec.first_live_bucket(state.high_ms)
-    forget = state.high_ms - horizon_ms
-    state.seen = {k: v for k, v in state.seen.items() if v > forget}
-    state.settled = {k: v for k, v in state.settled.items() if v > forget}
     state.reservations = {
         k: v for k, v in state.reservations.items() if spec.bucket_of(v[0]) >= live
     }
@@ -216,13 +273,23 @@ def _prune(spec: WindowSpec, state: KeyState, horizon_ms: int) -> bool:
 def keyed_record(
     event: UsageEvent,
     target: BudgetTarget,
-    horizon_ms: int,
+    *,
+    src_partition: int,
+    src_offset: int,
     prices: PriceCatalog | None = None,
     occurred_ms: int | None = None,
+    settled: bool = False,
 ) -> KeyedRecord:
     """The record one event contributes to one budget key.
 
-    ``occurred_ms`` overrides the event's own time (a clamped future timestamp).
+    Args:
+        event: the validated usage event.
+        target: the policy and budget key it feeds.
+        src_partition: the usage record's partition.
+        src_offset: the usage record's offset.
+        prices: the price catalog for ``cost_usd`` policies.
+        occurred_ms: overrides the event's own time (a clamped future timestamp).
+        settled: the reservation of this ``reserve`` was already settled.
 
     Raises:
         UnitError: the event's usage cannot be expressed in the policy's unit.
@@ -242,10 +309,12 @@ def keyed_record(
         amount=usage_amount,
         window_ms=policy.window_ms,
         bucket_ms=policy.bucket_ms,
-        horizon_ms=max(horizon_ms, policy.window_ms),
         limit=policy.limit,
+        src_partition=src_partition,
+        src_offset=src_offset,
         boundary=policy.boundary,
         thresholds=tuple(policy.alerts),
         reservation_id=getattr(event, "reservation_id", None),
         expires_ms=event.expires_ms if isinstance(event, ReserveEvent) else None,
+        settled=settled and isinstance(event, ReserveEvent),
     )

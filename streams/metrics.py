@@ -11,7 +11,7 @@ EVENTS = Counter(
 )
 OUTCOMES = Counter(
     "spendgate_keyed_records_total",
-    "Per-budget-key records, by outcome (applied, duplicate, late_dropped).",
+    "Per-budget-key records, by outcome (applied, redelivery, late_dropped, too_large).",
     ["outcome"],
 )
 CLAMPED = Counter(
@@ -28,4 +28,23 @@ OFFSET = Gauge(
     "spendgate_consumer_offset",
     "Last offset processed, per topic and partition.",
     ["topic", "partition"],
+)
+DUPLICATES = Counter(
+    "spendgate_duplicate_events_total",
+    "Producer duplicates dropped: an event id seen within the dedupe horizon.",
+)
+DEDUPE_IDS = Gauge(
+    "spendgate_dedupe_ids", "Ids in the dedupe set (RocksDB's estimate), all partitions."
+)
+DEDUPE_REBUILT = Counter(
+    "spendgate_dedupe_rebuilt_records_total",
+    "Usage records re-read to rebuild the dedupe set after a restart or rebalance.",
+)
+UNWRITABLE = Counter(
+    "spendgate_unwritable_records_total",
+    "Records dead-lettered because their effect could not be written (state too large).",
+)
+RETENTION_SHORT = Gauge(
+    "spendgate_usage_retention_short",
+    "1 when a policy in force needs more retention on usage than the topic has.",
 )

@@ -22,6 +22,7 @@ from schemas.prices import PriceCatalog, load_catalog
 from schemas.redis_keys import pending_key, window_key
 from schemas.windows import WindowSpec
 from streams.alerting import evaluate
+from streams.dedupe import IdStore, Position
 from streams.fanout import fan_out
 from streams.kafka_util import assign, partitions, stop
 from streams.ledger import KeyedRecord, KeyState, apply
@@ -39,6 +40,8 @@ class ReplaySummary:
     records: int = 0
     dead_lettered: int = 0
     clamped: int = 0
+    #: Producer duplicates within the dedupe horizon (counted once).
+    duplicates: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     keys: int = 0
     alerts: list[Alert] = field(default_factory=list)
@@ -65,7 +68,8 @@ async def _read(
     policies = await read_policies(settings.kafka_bootstrap, settings.topic("policies"))
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     longest = max((p.window_ms for p in policies.values()), default=0)
-    horizon = longest + settings.lateness_ms
+    # The same id set as the worker, in a temporary folder: duplicates count as they did live.
+    ids = IdStore(None, settings.horizon_ms(longest), settings.dedupe_memory_mb << 20)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, max_poll_records=2000
     )
@@ -93,10 +97,10 @@ async def _read(
                     summary.records += 1
                     _one(
                         msg.value or b"",
-                        msg.timestamp,
+                        Position(msg.partition, msg.offset, msg.timestamp),
                         policies.values(),
                         prices,
-                        horizon,
+                        ids,
                         settings,
                         rebuilt,
                         summary,
@@ -107,29 +111,33 @@ async def _read(
                 progress(summary.records, total)
     finally:
         await stop(consumer)
+        ids.close()
     return policies
 
 
 def _one(
     raw: bytes,
-    broker_ms: int,
+    pos: Position,
     policies: Iterable[Policy],
     prices: PriceCatalog | None,
-    horizon: int,
+    ids: IdStore,
     settings: WorkerSettings,
     rebuilt: Rebuilt,
     summary: ReplaySummary,
 ) -> None:
     out = fan_out(
         raw,
-        broker_ms=broker_ms,
+        broker_ms=pos.arrival_ms,
         policies=policies,
         prices=prices,
-        horizon_ms=horizon,
         max_future_skew_ms=settings.max_future_skew_ms,
+        src=pos,
+        ids=ids,
     )
+    ids.advance(pos)
     summary.dead_lettered += 1 if out.rejected else len(out.partial)
     summary.clamped += int(out.clamped)
+    summary.duplicates += int(out.duplicate)
     for rec in out.records:
         state = rebuilt.states.setdefault(rec.key, KeyState())
         change = apply(state, rec)

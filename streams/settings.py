@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.types import Duration, parse_duration_ms
+
 
 class WorkerSettings(BaseSettings):
     """Everything the worker reads from its environment, built once in the entry point."""
@@ -27,10 +29,31 @@ class WorkerSettings(BaseSettings):
     #: How soon a worker that died without leaving its group is noticed (Kafka session
     #: timeout); its partitions move to the others after this.
     session_timeout_s: float = Field(15.0, ge=6.0, le=300.0)
-    #: How long past the longest window an event id is remembered for deduplication.
-    lateness_ms: int = Field(3_600_000, ge=0)
+    #: How long (arrival time) a producer's event id is remembered: a second record with
+    #: the same tenant and id within it changes nothing. Raised to the longest window
+    #: unless set explicitly (then a shorter value is kept, with a warning).
+    dedupe_horizon: Duration = "24h"
+    #: Memory bound of the on-disk id set (RocksDB block cache + write buffers).
+    dedupe_memory_mb: int = Field(64, ge=4, le=65_536)
+    #: Kept on ``usage`` beyond the longest window plus the dedupe horizon.
+    retention_margin: Duration = "1d"
+    #: Largest table value (one key's state) the worker writes; a record that would make
+    #: a key's state larger is dead-lettered instead (the changelog's message limit is
+    #: 1,000,000 bytes).
+    max_value_bytes: int = Field(900_000, ge=1_024, le=1_000_000)
     #: How far in the future ``occurred_at`` may lie before it is clamped.
     max_future_skew_ms: int = Field(300_000, ge=0)
+
+    def horizon_ms(self, longest_window_ms: int) -> int:
+        """The dedupe horizon in force with policies whose longest window is given."""
+        configured = parse_duration_ms(self.dedupe_horizon)
+        if "dedupe_horizon" in self.model_fields_set:
+            return configured
+        return max(configured, longest_window_ms)
+
+    def retention_needed_ms(self, longest_window_ms: int) -> int:
+        """The least retention ``usage`` needs: longest window plus the dedupe horizon."""
+        return longest_window_ms + self.horizon_ms(longest_window_ms)
 
     def topic(self, name: str) -> str:
         """The full name of one of spendgate's topics (``usage`` -> ``budget.usage``)."""

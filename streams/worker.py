@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import signal
 
 from faust.worker import Worker
 from prometheus_client import start_http_server
@@ -11,9 +13,17 @@ from prometheus_client import start_http_server
 from streams.app import build_app
 from streams.policybook import read_policies
 from streams.settings import WorkerSettings
-from streams.topics import ensure_topics
+from streams.topics import check_usage, describe_usage, ensure_topics
 
 logger = logging.getLogger(__name__)
+
+
+def _dump_tasks(signum: int, frame: object) -> None:
+    """On SIGUSR1, log where every asyncio task waits (a stuck worker's first clue)."""
+    for task in asyncio.all_tasks(asyncio.get_event_loop()):
+        out = io.StringIO()
+        task.print_stack(limit=8, file=out)
+        logger.warning("task %s:\n%s", task.get_name(), out.getvalue())
 
 
 def run_worker(settings: WorkerSettings) -> None:
@@ -21,10 +31,22 @@ def run_worker(settings: WorkerSettings) -> None:
     asyncio.run(ensure_topics(settings))
     policies = asyncio.run(read_policies(settings.kafka_bootstrap, settings.topic("policies")))
     logger.info("%d policies in force at start", len(policies))
+    usage = asyncio.run(describe_usage(settings))
+    longest = max((p.window_ms for p in policies.values()), default=0)
+    check_usage(usage, settings, longest)
+    horizon = settings.horizon_ms(longest)
+    if horizon < longest:
+        logger.warning(
+            "SPENDGATE_DEDUPE_HORIZON (%d ms) is shorter than the longest window (%d ms): "
+            "a producer duplicate arriving later than the horizon counts again",
+            horizon,
+            longest,
+        )
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="127.0.0.1")
         logger.info("metrics on http://127.0.0.1:%s/metrics", settings.metrics_port)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    app = build_app(settings, policies)
+    app = build_app(settings, policies, usage.retention_ms)
+    signal.signal(signal.SIGUSR1, _dump_tasks)
     worker = Worker(app, loglevel="INFO", override_logging=False, quiet=True)
     worker.execute_from_commandline()

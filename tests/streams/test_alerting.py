@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from streams.alerting import evaluate
 from streams.ledger import KeyedRecord, KeyState, apply
+
+
+OFFSETS = itertools.count()
 
 
 def rec(event_id: str, at: int, amount: int, kind: str = "commit", **extra: Any) -> KeyedRecord:
@@ -18,8 +22,9 @@ def rec(event_id: str, at: int, amount: int, kind: str = "commit", **extra: Any)
         amount=amount,
         window_ms=60_000,
         bucket_ms=5_000,
-        horizon_ms=3_660_000,
         limit=100,
+        src_partition=0,
+        src_offset=next(OFFSETS),
         thresholds=(0.5, 0.8, 1.0),
         **extra,
     )

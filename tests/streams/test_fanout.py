@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from schemas.policies import Policy
+from streams.dedupe import Position
 from streams.fanout import fan_out
 
 NOW_MS = 1_800_000_000_000
@@ -33,8 +34,8 @@ def run(data: bytes, skew_ms: int = 300_000) -> Any:
         broker_ms=NOW_MS,
         policies=POLICIES,
         prices=None,
-        horizon_ms=90_000_000,
         max_future_skew_ms=skew_ms,
+        src=Position(0, 0, NOW_MS),
     )
 
 
