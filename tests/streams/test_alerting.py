@@ -8,7 +8,6 @@ from typing import Any
 from streams.alerting import evaluate
 from streams.ledger import KeyedRecord, KeyState, apply
 
-
 OFFSETS = itertools.count()
 
 
