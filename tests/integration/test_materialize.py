@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from schemas import window_codec
-from schemas.redis_keys import pending_key, window_key
+from schemas.redis_keys import pending_window_key, window_key
 from streams.settings import WorkerSettings
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.pipeline import ApplyPolicies
@@ -23,10 +23,10 @@ def _held(client: redis.Redis, prefix: str, key: str) -> tuple[int, int]:
     """Window sum and pending sum of ``key``, read in one transaction."""
     with client.pipeline(transaction=True) as pipe:
         pipe.get(window_key(prefix, key))
-        pipe.hvals(pending_key(prefix, key))
+        pipe.hvals(pending_window_key(prefix, key))
         raw, pending = pipe.execute()
     used = sum(window_codec.decode(raw).buckets.values()) if raw else 0
-    return used, sum(int(v.split(b":")[0]) for v in pending)
+    return used, sum(int(v) for v in pending)
 
 
 class TestAbsorption:
