@@ -8,6 +8,7 @@ __all__ = [
     "ADMIT",
     "ADMIT_ARGS_PER_TARGET",
     "ADMIT_HEADER_ARGS",
+    "ADMIT_KEYS_PER_TARGET",
     "ADMIT_REPLY_PER_TARGET",
     "SETTLE",
 ]
@@ -16,6 +17,8 @@ __all__ = [
 ADMIT_HEADER_ARGS = 6
 #: ARGV entries per budget key in :data:`ADMIT`.
 ADMIT_ARGS_PER_TARGET = 12
+#: KEYS entries per budget key in :data:`ADMIT`: window, pending window, pending reservations.
+ADMIT_KEYS_PER_TARGET = 3
 #: Reply entries per budget key of the reported plan.
 ADMIT_REPLY_PER_TARGET = 5
 
@@ -29,14 +32,18 @@ ADMIT_REPLY_PER_TARGET = 5
 #
 # KEYS[1]              idempotency record of this request_id (the stored answer)
 # KEYS[2]              the reservation record (hash: subject, plan, settled)
-# KEYS[3..]            for each plan in order, for each of its targets: the window (a
-#                      string in the schemas.window_codec layout, written by the stream
-#                      processor) then the pending hash (reservation id -> "amount:expires_ms")
+# KEYS[3..]            for each plan in order, for each of its targets, 3 keys: the
+#                      window (a string in the schemas.window_codec layout, written by the
+#                      stream processor), the pending window (hash: a bucket's last ms ->
+#                      amount pending there) and the pending reservations (hash:
+#                      reservation id -> "field:amount", where it sits in the pending
+#                      window), see schemas/redis_keys.py
 # ARGV[1] read-only (1: evaluate plan 1, reserve and store nothing, ignore KEYS[1])
 # ARGV[2] reservation id      ARGV[3] idempotency ttl ms   ARGV[4] record ttl ms
 # ARGV[5] the estimate's output tokens (for cap)           ARGV[6] number of plans
 # per plan: subject JSON (stored in the record), n targets, then per target 12 entries:
-#   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms, observe (0/1),
+#   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms (unused here: a
+#   pending amount ages out with its bucket, expired or not), observe (0/1),
 #   on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index (0 none),
 #   cap_s, cap_r, cap_d: the amount at o output tokens is ceil((cap_s + o*cap_r) / cap_d)
 #   (cap_r = 0: capping output does not lower this amount)
@@ -47,6 +54,13 @@ ADMIT_REPLY_PER_TARGET = 5
 #          reset_after_ms}
 # An answer that reserved is stored and a repeat returns it verbatim; a reject holds
 # nothing and is decided anew. Time is the Redis server clock (TIME), never the caller's.
+#
+# Usage = the absorbed window + the pending window, added bucket by bucket: a reservation
+# sits in the bucket of its admission instant and ages out of the window like absorbed
+# usage, so a Retry-After is at most window + bucket. "used" is the absorbed total,
+# "reserved by others" what the pending window adds to it. The pending window is read
+# whole (O(buckets in the window)), never one reservation at a time; the reservation
+# record beside it is only written here and read by the processor's absorb.
 ADMIT = (
     WINDOW_LUA_LIB
     + r"""
@@ -72,7 +86,7 @@ for p = 1, nplans do
   a = a + 2
   for j = 1, plan.n do
     plan.targets[j] = {
-      wkey = KEYS[k], pkey = KEYS[k + 1],
+      wkey = KEYS[k], pwkey = KEYS[k + 1], prkey = KEYS[k + 2],
       limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]),
       bucket = tonumber(ARGV[a + 2]), boundary = ARGV[a + 3],
       amount = tonumber(ARGV[a + 4]), ttl = tonumber(ARGV[a + 5]),
@@ -81,7 +95,7 @@ for p = 1, nplans do
       cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
     }
     a = a + 12
-    k = k + 2
+    k = k + 3
   end
   plans[p] = plan
 end
@@ -91,28 +105,21 @@ local function load(plan)
   plan.loaded = true
   for j = 1, plan.n do
     local x = plan.targets[j]
-    x.starts, x.amounts, x.count = window_decode(redis.call('GET', x.wkey), x.bucket)
-    x.used = window_total(x.starts, x.amounts, x.count, now, x.window, x.bucket, x.boundary)
+    local absorbed, pending
+    x.starts, x.amounts, x.count, absorbed, pending, x.stale = window_combine(
+      redis.call('GET', x.wkey), redis.call('HGETALL', x.pwkey), now, x.window, x.bucket,
+      x.boundary)
     -- Refunds larger than the charges they correct never create extra room.
+    x.used = absorbed
     if x.used < 0 then x.used = 0 end
-    local r, first_expiry = 0, nil
-    local pend = redis.call('HGETALL', x.pkey)
-    for i = 1, #pend, 2 do
-      local amt, exp = string.match(pend[i + 1], '^(%d+):(%d+)$')
-      exp = tonumber(exp)
-      if exp > now then
-        r = r + tonumber(amt)
-        if first_expiry == nil or exp < first_expiry then first_expiry = exp end
-      end
-    end
-    x.reserved, x.first_expiry = r, first_expiry
+    x.reserved = pending
     x.violated = x.used + x.reserved + x.amount > x.limit
     x.own = 0
   end
 end
 
--- Milliseconds until every amount counted now has aged out, assuming no new usage and
--- reservations charged at their estimate in the current bucket.
+-- Milliseconds until every amount counted now (absorbed and pending) has aged out,
+-- assuming no new usage and this request's reservation in the current bucket.
 local function reset_after(x)
   local head = now - window_mod(now, x.bucket)
   local oldest = head - x.window
@@ -123,7 +130,7 @@ local function reset_after(x)
       if last == nil or x.starts[i] > last then last = x.starts[i] end
     end
   end
-  if x.reserved + x.own > 0 and (last == nil or head > last) then last = head end
+  if x.own > 0 and (last == nil or head > last) then last = head end
   if last == nil then return 0 end
   local gone = last + x.window
   if x.boundary ~= 'exclude' then gone = gone + x.bucket - 1 end
@@ -131,22 +138,23 @@ local function reset_after(x)
   return gone - now
 end
 
--- Earliest wait (ms) until every refusing enforce key (or observe key) fits the estimate.
+-- Earliest wait (ms) until every refusing enforce key (or observe key) fits the estimate,
+-- with absorbed and pending amounts aging out of the window alike.
 local function retry_of(plan, observe)
   local retry = -1
   for j = 1, plan.n do
     local x = plan.targets[j]
     if x.violated and x.observe == observe then
       local at, never = window_retry_after(x.starts, x.amounts, x.count, now, x.window,
-                                           x.bucket, x.boundary, x.limit, x.reserved, x.amount)
+                                           x.bucket, x.boundary, x.limit, 0, x.amount)
       local wait
       if never then
         wait = -2
       elseif at then
         wait = at - now
       else
-        -- Only in-flight reservations stand in the way: they settle by their expiry at latest.
-        wait = (x.first_expiry or now + 1000) - now
+        -- Unreachable with non-negative usage: everything has aged out by then.
+        wait = x.window + x.bucket
       end
       if wait == -2 or retry == -2 then retry = -2 elseif wait > retry then retry = wait end
     end
@@ -252,9 +260,17 @@ end
 if outcome ~= 0 and not read_only then
   for j = 1, plan.n do
     local x = plan.targets[j]
-    redis.call('HSET', x.pkey, rid, string.format('%d:%d', x.own, now + x.ttl))
-    if redis.call('PTTL', x.pkey) < x.ttl then
-      redis.call('PEXPIRE', x.pkey, x.ttl)
+    for i = 1, #x.stale, 1000 do
+      redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
+    end
+    if x.own > 0 then
+      -- Pending until the processor absorbs the reserve event; once its bucket has left
+      -- the window it no longer counts, so both hashes live that long past the last write.
+      local field = string.format('%d', now - window_mod(now, x.bucket) + x.bucket - 1)
+      redis.call('HINCRBY', x.pwkey, field, string.format('%d', x.own))
+      redis.call('HSET', x.prkey, rid, field .. ':' .. string.format('%d', x.own))
+      redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
+      redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
     end
   end
   redis.call('HSET', KEYS[2], 'subject', plan.subject, 'plan', chosen)

@@ -20,7 +20,8 @@ from schemas.events import Subject
 from schemas.matching import BudgetTarget
 from schemas.policies import Policy
 from schemas.redis_keys import (
-    pending_key,
+    pending_reservations_key,
+    pending_window_key,
     policies_key,
     policies_version_key,
     request_key,
@@ -243,7 +244,8 @@ class BudgetStore:
                 policy = charge.target.policy
                 keys += [
                     window_key(self.prefix, charge.target.key),
-                    pending_key(self.prefix, charge.target.key),
+                    pending_window_key(self.prefix, charge.target.key),
+                    pending_reservations_key(self.prefix, charge.target.key),
                 ]
                 record_ttl_ms = max(record_ttl_ms, policy.reservation_ttl_ms + RECORD_GRACE_MS)
                 args += [

@@ -13,6 +13,12 @@ runs both on thousands of random cases) and provides:
 * ``window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total``.
 * ``window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
   extra, amount) -> fits_at_ms | nil, never_fits``: as ``schemas.windows.retry_after``.
+* ``window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
+  n, absorbed, pending_part, stale``: decode the absorbed window ``raw`` and add the
+  pending window (an ``HGETALL`` reply, see ``schemas.window_codec.decode_pending``)
+  bucket by bucket, as ``schemas.windows.combine``; ``stale`` lists the pending fields
+  that can no longer count (to prune). Work: O(buckets in the window), whatever the
+  number of open reservations.
 
 Lua numbers are doubles: every value passed in (times, limit, extra, amount) and their
 sums must stay within 2**53; the codec guarantees it for the stored amounts. Divisions
@@ -218,27 +224,76 @@ local function window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   end
   return nil, false
 end
+
+-- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
+-- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
+local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary)
+  local starts, amounts, n = window_decode(raw, bucket_ms)
+  local absorbed = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)
+  local stale = {}
+  if #pending == 0 then return starts, amounts, n, absorbed, 0, stale end
+  local live = t_ms + 1 - window_mod(t_ms + 1, bucket_ms) - window_ms
+  local by_start, order = {}, {}
+  for i = 1, #pending, 2 do
+    local last = tonumber(pending[i])
+    local start = last - window_mod(last, bucket_ms)
+    if start < live then
+      stale[#stale + 1] = pending[i]
+    elseif by_start[start] then
+      by_start[start] = by_start[start] + tonumber(pending[i + 1])
+    else
+      order[#order + 1] = start
+      by_start[start] = tonumber(pending[i + 1])
+    end
+  end
+  if #order == 0 then return starts, amounts, n, absorbed, 0, stale end
+  table.sort(order)
+  local ms, ma, mn, i, j, np = {}, {}, 0, 1, 1, #order
+  while i <= n or j <= np do
+    local s, v
+    if j > np or (i <= n and starts[i] < order[j]) then
+      s, v = starts[i], amounts[i]
+      i = i + 1
+    elseif i > n or order[j] < starts[i] then
+      s, v = order[j], by_start[order[j]]
+      j = j + 1
+    else
+      s, v = starts[i], amounts[i] + by_start[order[j]]
+      i, j = i + 1, j + 1
+    end
+    if v ~= 0 then
+      mn = mn + 1
+      ms[mn], ma[mn] = s, v
+    end
+  end
+  local combined = window_total(ms, ma, mn, t_ms, window_ms, bucket_ms, boundary)
+  return ms, ma, mn, absorbed, combined - absorbed, stale
+end
 """
 
 WINDOW_CHECK_SCRIPT = (
     WINDOW_LUA_LIB
     + r"""
--- Test harness: the window engine on one stored state.
+-- Test harness: the window engine on one stored state, as the admit script reads it.
 -- KEYS[1]: a string key holding an encoded window state (missing = empty)
+-- KEYS[2]: optional, a pending-window hash (missing = none pending)
 -- ARGV[1]: t_ms        ARGV[2]: window_ms   ARGV[3]: bucket_ms
 -- ARGV[4]: boundary (include | exclude | prorate)
 -- ARGV[5]: limit       ARGV[6]: extra       ARGV[7]: amount
--- returns: {total at t_ms, fits_at_ms or -1, never_fits (0 | 1)}
+-- returns: {combined total at t_ms, fits_at_ms or -1, never_fits (0 | 1),
+--           absorbed total, pending part of the combined total}
 local t_ms = tonumber(ARGV[1])
 local window_ms = tonumber(ARGV[2])
 local bucket_ms = tonumber(ARGV[3])
 local boundary = ARGV[4]
-local starts, amounts, n = window_decode(redis.call('GET', KEYS[1]), bucket_ms)
-local total = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)
+local pending = {}
+if KEYS[2] then pending = redis.call('HGETALL', KEYS[2]) end
+local starts, amounts, n, absorbed, part = window_combine(redis.call('GET', KEYS[1]),
+  pending, t_ms, window_ms, bucket_ms, boundary)
 local fits_at, never_fits = window_retry_after(starts, amounts, n, t_ms, window_ms,
   bucket_ms, boundary, tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]))
 local never = 0
 if never_fits then never = 1 end
-return {total, fits_at or -1, never}
+return {absorbed + part, fits_at or -1, never, absorbed, part}
 """
 )

@@ -209,7 +209,7 @@ async def _prepare(rid: str, budgets: list[int], tenants: int) -> None:
 def _absorb(rid: str) -> None:
     """Forget the pending reservations and request records between runs, as the worker
     would absorb them; otherwise each run would scan the last run's pending entries."""
-    for pattern in ("p:", "req:", "res:"):
+    for pattern in ("pw:", "pr:", "req:", "res:"):
         c.delete_redis_prefix(c.REDIS, f"{rid}:{pattern}")
 
 

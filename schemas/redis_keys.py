@@ -12,12 +12,22 @@ def window_key(prefix: str, key: str) -> str:
     return f"{prefix}w:{key}"
 
 
-def pending_key(prefix: str, key: str) -> str:
-    """Hash of reservations admission holds that the processor has not absorbed yet.
+def pending_window_key(prefix: str, key: str) -> str:
+    """Hash of the reservations admission holds that the processor has not absorbed yet,
+    summed per bucket: field = the last millisecond of a bucket (its admission instant's,
+    on the Redis clock), value = the amount pending there (``schemas.window_codec``:
+    ``pending_field``, ``decode_pending``). The admit script reads it whole, so its size is
+    bounded by the buckets of one window, never by how many reservations are open; it adds
+    to it and prunes buckets that aged out, the processor's absorb subtracts from it."""
+    return f"{prefix}pw:{key}"
 
-    Field = reservation id, value = ``"amount:expires_ms"``.
-    """
-    return f"{prefix}p:{key}"
+
+def pending_reservations_key(prefix: str, key: str) -> str:
+    """Hash of where each pending reservation sits in the pending window, so the
+    processor can absorb it: field = reservation id, value = ``"field:amount"`` (the
+    pending-window field and the amount added there). Written by the admit script, read
+    and deleted one field at a time by the processor's absorb; never read in bulk."""
+    return f"{prefix}pr:{key}"
 
 
 def policies_key(prefix: str) -> str:

@@ -26,6 +26,13 @@ non-empty buckets) is 11,538 bytes; 60 sparse buckets are 738 bytes.
 Lua numbers are doubles, exact to 2**53, so ``encode`` refuses a state whose absolute
 amounts sum to more than ``MAX_SAFE_AMOUNT``: every partial sum the Lua side forms
 (totals, prorated shares) then stays exact.
+
+The *pending window* (reservations admission holds that the processor has not absorbed)
+is a Redis hash instead, updated in place by the scripts with ``HINCRBY``: field = the
+decimal *last* millisecond of the bucket a reservation was admitted in
+(``pending_field``), value = the amount pending there. Naming a bucket by its last
+millisecond lets a reader in any bucket width place it as ``schemas.windows.rebucket``
+would (``decode_pending``), so a policy whose ``bucket`` changed needs no rewrite.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ __all__ = [
     "MAX_SAFE_AMOUNT",
     "DecodedState",
     "decode",
+    "decode_pending",
     "encode",
+    "pending_field",
 ]
 
 FORMAT_VERSION = 1
@@ -154,3 +163,37 @@ def decode(data: bytes) -> DecodedState:
         previous = offset
         buckets[base + offset * bucket_ms] = amount
     return DecodedState(bucket_ms, buckets)
+
+
+def pending_field(t_ms: int, bucket_ms: int) -> int:
+    """The pending-window field of a reservation admitted at ``t_ms``.
+
+    Args:
+        t_ms: the admission instant (the Redis clock).
+        bucket_ms: the policy's bucket width.
+
+    Returns:
+        The last millisecond of the bucket holding ``t_ms``.
+    """
+    return t_ms - t_ms % bucket_ms + bucket_ms - 1
+
+
+def decode_pending(
+    fields: Mapping[bytes | str, bytes | str | int], bucket_ms: int
+) -> dict[int, int]:
+    """Read a pending-window hash as buckets of ``bucket_ms``.
+
+    Args:
+        fields: the hash (``HGETALL``): a bucket's last millisecond -> amount.
+        bucket_ms: the width to read it in; a field written in another width lands in
+            the bucket holding its last millisecond.
+
+    Returns:
+        Bucket start -> pending amount, zero sums dropped.
+    """
+    buckets: dict[int, int] = {}
+    for field, value in fields.items():
+        last = int(field)
+        start = last - last % bucket_ms
+        buckets[start] = buckets.get(start, 0) + int(value)
+    return {start: amount for start, amount in buckets.items() if amount}

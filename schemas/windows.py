@@ -41,6 +41,13 @@ clock, time is always an argument):
 
 Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later;
 ``prune`` drops them and a stream processor may drop events that land there as too late.
+
+* Pending reservations (held by admission, not yet absorbed by the stream processor) are
+  a second state of the same shape, keyed by the bucket of their admission instant.
+  ``combine`` adds it to the absorbed state bucket by bucket, so a reservation ages out
+  of the window exactly like absorbed usage: a ``retry_after`` over the combined buckets
+  is at most ``window_ms + bucket_ms`` after ``t_ms`` whenever nothing is future-dated.
+
 The Lua twin in ``admission/window_lua.py`` implements the same arithmetic.
 """
 
@@ -56,10 +63,13 @@ __all__ = [
     "MAX_BUCKET_MS",
     "Boundary",
     "Buckets",
+    "Held",
     "RetryAfter",
     "WindowSpec",
     "add",
     "boundary_usage",
+    "combine",
+    "merge",
     "prune",
     "rebucket",
     "retry_after",
@@ -138,6 +148,29 @@ class RetryAfter:
 
     fits_at_ms: int | None
     never_fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One key's usage at an instant: absorbed by the processor plus pending in Redis.
+
+    Attributes:
+        buckets: the absorbed and the live pending buckets added bucket by bucket; what
+            ``total`` and ``retry_after`` run on.
+        absorbed: the total of the absorbed buckets alone (below 0 only when refunds
+            exceed the charges they correct).
+        pending: what the pending buckets add to the combined total (>= 0 when every
+            pending amount is).
+    """
+
+    buckets: Buckets
+    absorbed: int
+    pending: int
+
+    @property
+    def used(self) -> int:
+        """The absorbed total, never below 0: over-refunds create no extra room."""
+        return max(0, self.absorbed)
 
 
 def add(spec: WindowSpec, buckets: Buckets, occurred_ms: int, amount: int) -> int:
@@ -232,6 +265,47 @@ def prune(spec: WindowSpec, buckets: Buckets, t_ms: int) -> int:
     for start in stale:
         del buckets[start]
     return len(stale)
+
+
+def merge(*states: Mapping[int, int]) -> Buckets:
+    """Add states bucket by bucket into a new one; zero sums are dropped.
+
+    Args:
+        *states: states in the same bucket width.
+
+    Returns:
+        A new state holding, per bucket start, the sum of every state's amount.
+    """
+    merged: Buckets = {}
+    for state in states:
+        for start, amount in state.items():
+            merged[start] = merged.get(start, 0) + amount
+    return {start: amount for start, amount in merged.items() if amount}
+
+
+def combine(
+    spec: WindowSpec, absorbed: Mapping[int, int], pending: Mapping[int, int], t_ms: int
+) -> Held:
+    """Combine a key's absorbed buckets with its pending ones at ``t_ms``.
+
+    Pending buckets that can no longer count (older than ``first_live_bucket(t_ms)``)
+    are left out, as the admission script prunes them.
+
+    Args:
+        spec: the window definition.
+        absorbed: the state the stream processor wrote.
+        pending: the reservations admission holds that the processor has not absorbed,
+            per bucket of their admission instant.
+        t_ms: the decision time.
+
+    Returns:
+        The combined buckets, the absorbed total and the pending part of the total.
+    """
+    horizon = spec.first_live_bucket(t_ms)
+    live = {start: amount for start, amount in pending.items() if start >= horizon}
+    buckets = merge(absorbed, live) if live else dict(absorbed)
+    absorbed_total = total(spec, absorbed, t_ms)
+    return Held(buckets, absorbed_total, total(spec, buckets, t_ms) - absorbed_total)
 
 
 def _earliest_offset(

@@ -8,17 +8,59 @@ import redis.asyncio as aioredis
 
 from schemas import window_codec
 from schemas.policies import Policy
-from schemas.redis_keys import pending_key, policies_key, policies_version_key, window_key
+from schemas.redis_keys import (
+    pending_reservations_key,
+    pending_window_key,
+    policies_key,
+    policies_version_key,
+    window_key,
+)
 from schemas.windows import WindowSpec
 from streams.ledger import Change, KeyState
 
+# Write a key's window and move reservations it now holds out of the pending window, in
+# one atomic step: at no instant does a reservation count twice or not at all.
+#
+# KEYS[1] the window (string, schemas.window_codec layout)
+# KEYS[2] the pending window (hash: a bucket's last ms -> amount pending there)
+# KEYS[3] the pending reservations (hash: reservation id -> "field:amount")
+# ARGV[1] the window's new value, or "" to leave it as it is
+# ARGV[2] the window's PX (ms)
+# ARGV[3..] reservation ids whose reserve the window now holds (or never will: a late or
+#           settled reserve)
+# Returns the pending amount moved out.
+# A reservation with no record was never pending here, or its record went with its
+# bucket's age; either way nothing of it counts in the pending window any more.
+ABSORB = r"""
+if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+local moved = 0
+for i = 3, #ARGV do
+  local record = redis.call('HGET', KEYS[3], ARGV[i])
+  if record then
+    redis.call('HDEL', KEYS[3], ARGV[i])
+    local field, amount = string.match(record, '^(%d+):(%d+)$')
+    amount = tonumber(amount)
+    local held = tonumber(redis.call('HGET', KEYS[2], field) or '0')
+    if held > amount then
+      redis.call('HINCRBY', KEYS[2], field, string.format('%d', -amount))
+    else
+      -- Pruned (its bucket left the window) or exactly this amount: nothing stays.
+      redis.call('HDEL', KEYS[2], field)
+    end
+    moved = moved + math.min(held, amount)
+  end
+end
+return moved
+"""
+
 
 class RedisMaterializer:
-    """Applies each state change to Redis in one MULTI/EXEC transaction."""
+    """Applies each state change to Redis in one atomic step."""
 
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self.client = client
         self.prefix = prefix
+        self._absorb = client.register_script(ABSORB)
 
     async def write(self, key: str, state: KeyState, change: Change, spec: WindowSpec) -> None:
         """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step.
@@ -27,17 +69,40 @@ class RedisMaterializer:
         """
         if not (change.buckets_changed or change.absorbed):
             return
-        async with self.client.pipeline(transaction=True) as pipe:
-            if change.buckets_changed:
-                pipe.set(
-                    window_key(self.prefix, key),
-                    window_codec.encode(state.buckets, spec.bucket_ms),
-                    # Idle longer than this, every bucket has aged out of the window.
-                    px=2 * spec.window_ms,
-                )
-            if change.absorbed:
-                pipe.hdel(pending_key(self.prefix, key), change.absorbed)
-            await pipe.execute()
+        value = (
+            window_codec.encode(state.buckets, spec.bucket_ms) if change.buckets_changed else None
+        )
+        absorbed = (change.absorbed,) if change.absorbed else ()
+        await self.absorb(key, value, spec, absorbed)
+
+    async def absorb(
+        self, key: str, window: bytes | None, spec: WindowSpec, reservation_ids: Iterable[str]
+    ) -> int:
+        """Write ``key``'s window and take reservations out of its pending window, atomically.
+
+        Args:
+            key: the budget key.
+            window: the encoded window to store, or None to leave it as it is.
+            spec: the policy's window (the stored value's expiry).
+            reservation_ids: reservations whose reserve the window now accounts for (or
+                never will: late or already settled); their pending amounts leave.
+
+        Returns:
+            The pending amount moved out.
+        """
+        rids = list(reservation_ids)
+        if not rids:
+            if window is not None:
+                # Idle longer than this, every bucket has aged out of the window.
+                await self.client.set(window_key(self.prefix, key), window, px=2 * spec.window_ms)
+            return 0
+        keys = [
+            window_key(self.prefix, key),
+            pending_window_key(self.prefix, key),
+            pending_reservations_key(self.prefix, key),
+        ]
+        args: list[bytes | str | int] = [window or b"", 2 * spec.window_ms, *rids]
+        return int(await self._absorb(keys=keys, args=args))
 
     async def restore(self, key: str, state: KeyState) -> None:
         """Rewrite one key's window from its table state (after Redis lost its data)."""

@@ -19,7 +19,7 @@ from schemas import window_codec
 from schemas.alerts import Alert
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog, load_catalog
-from schemas.redis_keys import pending_key, window_key
+from schemas.redis_keys import window_key
 from schemas.windows import WindowSpec
 from streams.alerting import evaluate
 from streams.dedupe import IdStore, Position
@@ -170,6 +170,7 @@ async def replay(
     policies = await _read(settings, since, rebuilt, summary, progress)
     summary.keys = len(rebuilt.states)
     client = aioredis.Redis.from_url(settings.redis_url)
+    materializer = RedisMaterializer(client, settings.redis_prefix)
     try:
         for key, state in sorted(rebuilt.states.items()):
             spec: WindowSpec = rebuilt.last[key].spec
@@ -180,15 +181,14 @@ async def replay(
                 if have != state.buckets:
                     summary.differences.append(key)
                 continue
-            async with client.pipeline(transaction=True) as pipe:
-                pipe.set(
-                    wkey, window_codec.encode(state.buckets, spec.bucket_ms), px=2 * spec.window_ms
-                )
-                for rid in rebuilt.absorbed.get(key, ()):
-                    pipe.hdel(pending_key(settings.redis_prefix, key), rid)
-                await pipe.execute()
+            await materializer.absorb(
+                key,
+                window_codec.encode(state.buckets, spec.bucket_ms),
+                spec,
+                sorted(rebuilt.absorbed.get(key, ())),
+            )
         if not verify:
-            await RedisMaterializer(client, settings.redis_prefix).write_policies(policies.values())
+            await materializer.write_policies(policies.values())
     finally:
         await client.aclose()
     if emit_alerts and summary.alerts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -107,6 +108,55 @@ class TestRejectAndHeaders:
         assert reset["loose"] == 0
         never = await adm.admit("a", input_tokens=101)
         assert never.json()["never_fits"] is True and "Retry-After" not in never.headers
+
+    async def test_a_pending_reservation_ages_out_with_its_bucket_not_its_ttl(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        # Issue 16, defect 1: the blocking reservation is still pending (no worker has
+        # absorbed it), and Retry-After must still be bounded by window + bucket.
+        adm = await make_admission()
+        policy = policy_factory(limit=1000, unit="input_tokens", window="60s", bucket="1s")
+        await adm.policies(policy)
+        before = int(time.time() * 1000)
+        assert (await adm.admit("pend", input_tokens=600)).status_code == 200
+        after = int(time.time() * 1000)
+        refused = await adm.admit("pend", input_tokens=600)
+        assert refused.status_code == 429
+        # The 600 sits in the 1 s bucket of its admission and ages out of the 60 s window
+        # (include boundary) at bucket start + 61 s - 1 ms.
+        earliest = before - before % 1000 + 61_000 - 1 - int(time.time() * 1000)
+        latest = after - after % 1000 + 61_000 - 1 - before
+        retry_s = int(refused.headers["Retry-After"])
+        assert retry_s <= 61, f"Retry-After {retry_s} s exceeds window + bucket (61 s)"
+        assert math.ceil(earliest / 1000) - 1 <= retry_s <= math.ceil(latest / 1000) + 1
+        (budget,) = refused.json()["budgets"]
+        assert budget["reserved"] == 600
+        assert budget["reset_after_seconds"] <= 61
+
+    async def test_retry_after_ages_absorbed_and_pending_amounts_alike(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        policy = policy_factory(limit=1000, unit="input_tokens", window="60s", bucket="1s")
+        await adm.policies(policy)
+        key = f"{policy.id}|tenant=mix"
+        old = _bucket_now(1000) - 30_000
+        await adm.usage(key, {old: 300}, 1000)
+        admitted_at = int(time.time() * 1000)
+        assert (await adm.admit("mix", input_tokens=600)).status_code == 200
+        # 300 + 600 + 200 > 1000: fits once the absorbed 300 ages out, ~31 s from now.
+        small = await adm.admit("mix", input_tokens=200)
+        assert small.status_code == 429
+        (budget,) = small.json()["budgets"]
+        assert (budget["used"], budget["reserved"]) == (300, 600)
+        now = int(time.time() * 1000)
+        assert abs(small.json()["retry_after_seconds"] - (old + 61_000 - now) / 1000) <= 1.1
+        # 600 + 500 > 1000: fits only once the pending 600 has aged out too, ~61 s away.
+        large = await adm.admit("mix", input_tokens=500)
+        assert large.status_code == 429
+        expected_s = (admitted_at - admitted_at % 1000 + 61_000 - now) / 1000
+        assert abs(large.json()["retry_after_seconds"] - expected_s) <= 1.1
+        assert int(large.headers["Retry-After"]) <= 61
 
     async def test_budgets_query_reserves_nothing(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory

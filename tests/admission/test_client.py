@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from admission.client import AdmissionClient, AsyncAdmissionClient
 from admission.exceptions import AdmissionRequestError, AdmissionUnavailable, BudgetExceeded
 from schemas.events import Usage
-from schemas.redis_keys import pending_key, reservation_key
+from schemas.redis_keys import pending_window_key, reservation_key
 from streams.materialize import RedisMaterializer
 from tests.fixtures.admission import LiveServer
 from tests.fixtures.factories import PolicyFactory
@@ -72,8 +72,8 @@ async def server(
 
 
 async def _pending(client: aioredis.Redis, server: LiveServer) -> int:
-    values = await client.hvals(pending_key(server.settings.redis_prefix, "tok|tenant=acme"))
-    return sum(int(v.split(b":")[0]) for v in values)
+    key = pending_window_key(server.settings.redis_prefix, "tok|tenant=acme")
+    return sum(int(v) for v in await client.hvals(key))
 
 
 async def _settled(client: aioredis.Redis, server: LiveServer, rid: str) -> str | None:

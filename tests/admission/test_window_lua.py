@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -11,13 +12,14 @@ import pytest
 import redis
 
 from admission.window_lua import WINDOW_CHECK_SCRIPT, WINDOW_LUA_LIB
-from schemas.window_codec import encode
+from schemas.window_codec import decode_pending, encode
 from schemas.windows import (
     BOUNDARIES,
     MAX_BUCKET_MS,
     Buckets,
     WindowSpec,
     add,
+    combine,
     rebucket,
     retry_after,
     total,
@@ -32,7 +34,7 @@ BATCH = 500
 
 @dataclass(frozen=True)
 class Case:
-    """One engine query: spec, state, time and request."""
+    """One engine query: spec, absorbed and pending state, time and request."""
 
     spec: WindowSpec
     buckets: Buckets
@@ -40,18 +42,23 @@ class Case:
     limit: int
     extra: int
     amount: int
+    #: The pending-window hash: a bucket's last millisecond -> amount (any width).
+    pending: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def python(self) -> list[int]:
+        pending = decode_pending({str(k): v for k, v in self.pending.items()}, self.spec.bucket_ms)
+        held = combine(self.spec, self.buckets, pending, self.t_ms)
         answer = retry_after(
             self.spec,
-            self.buckets,
+            held.buckets,
             self.t_ms,
             limit=self.limit,
             amount=self.amount,
             extra=self.extra,
         )
         fits_at = -1 if answer.fits_at_ms is None else answer.fits_at_ms
-        return [total(self.spec, self.buckets, self.t_ms), fits_at, int(answer.never_fits)]
+        combined = total(self.spec, held.buckets, self.t_ms)
+        return [combined, fits_at, int(answer.never_fits), held.absorbed, held.pending]
 
     def argv(self) -> list[int | str]:
         spec = self.spec
@@ -88,14 +95,29 @@ def random_case(rng: random.Random) -> Case:
     if rng.random() < 0.4:  # a bucket edge: r = bucket_ms - 1, 0 or 1
         t_ms = max(0, t_ms - t_ms % bucket_ms + rng.choice([-1, 0, 1]))
     t_ms = max(0, t_ms)
+    pending = random_pending(rng, spec, origin, span_ms, scale) if rng.random() < 0.6 else {}
     amount = rng.randint(0, scale)
     extra = rng.randint(0, scale // 2)
-    now = total(spec, buckets, t_ms)
+    now = total(spec, buckets, t_ms) + sum(pending.values())
     if rng.random() < 0.3:
         limit = rng.randint(0, 4 * scale)
     else:  # short of the limit by part of the current total: fits only later
         limit = max(0, now + extra + amount - rng.randint(1, max(1, abs(now))))
-    return Case(spec, buckets, t_ms, limit, extra, amount)
+    return Case(spec, buckets, t_ms, limit, extra, amount, pending)
+
+
+def random_pending(
+    rng: random.Random, spec: WindowSpec, origin: int, span_ms: int, scale: int
+) -> dict[int, int]:
+    """Pending-window fields: mostly the policy's width, sometimes an older one (the
+    policy's bucket changed while reservations were pending); some long aged out."""
+    pending: dict[int, int] = {}
+    for _ in range(rng.randint(1, 8)):
+        width = spec.bucket_ms if rng.random() < 0.7 else rng.randint(1, 6) * 1000
+        at = origin + rng.randint(0, span_ms)
+        last = at - at % width + width - 1
+        pending[last] = pending.get(last, 0) + rng.randint(0, scale)
+    return pending
 
 
 def dense_day_case(rng: random.Random) -> Case:
@@ -129,11 +151,15 @@ def run_lua(client: redis.Redis, key_prefix: str, cases: list[Case]) -> list[lis
     for first in range(0, len(cases), BATCH):
         pipe = client.pipeline(transaction=False)
         for index, case in enumerate(cases[first : first + BATCH], start=first):
-            key = f"{key_prefix}w{index}"
+            key, pkey = f"{key_prefix}w{index}", f"{key_prefix}pw{index}"
             pipe.set(key, encode(case.buckets, case.spec.bucket_ms))
-            script(keys=[key], args=case.argv(), client=pipe)
+            pipe.delete(pkey)
+            if case.pending:
+                pipe.hset(pkey, mapping={str(k): v for k, v in case.pending.items()})
+            script(keys=[key, pkey], args=case.argv(), client=pipe)
         replies = pipe.execute()
-        results.extend(replies[1::2])
+        scripted = [r for r in replies if isinstance(r, list)]
+        results.extend(scripted)
     return results
 
 
@@ -150,12 +176,12 @@ class TestWindowLuaLib:
         reply = script(
             keys=[f"{key_prefix}absent"], args=[65_000, 60_000, 10_000, "include", 10, 0, 3]
         )
-        assert reply == [0, 65_000, 0]
+        assert reply == [0, 65_000, 0, 0, 0]
 
     def test_never_fits(self, redis_sync: redis.Redis, key_prefix: str) -> None:
         script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
         reply = script(keys=[f"{key_prefix}absent"], args=[0, 60_000, 10_000, "prorate", 10, 0, 11])
-        assert reply == [0, -1, 1]
+        assert reply == [0, -1, 1, 0, 0]
 
     @pytest.mark.parametrize("new_bucket_ms", [5_000, 10_000, 15_000, 20_000])
     def test_a_changed_bucket_width_is_rebucketed_like_the_worker(

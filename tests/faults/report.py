@@ -108,9 +108,9 @@ OBSERVATIONS = """\
   -(2**53-1)), but admission now counts a negative window as 0: a refund can no longer
   create room beyond the limit. A key's alerts and `budgets[].used` then show 0.
 - **Open admits past a full publish buffer never reach the log** (scenario 2:
-  `admitted_but_never_published`; their estimates are held only as pending entries in
-  Redis, `pending_left`, until the reservation TTL). They are counted only until the TTL
-  and a replay never sees them: the documented cost of `failure: open`.
+  `admitted_but_never_published`; their estimates are held only in Redis's pending
+  window, `pending_left`, until their bucket ages out of the window). They are counted only
+  that long and a replay never sees them: the documented cost of `failure: open`.
 - **Types on the topic**: `"input_tokens": "100"` and `true` are now refused
   (dead-lettered); `5.0` is accepted as 5, as JSON Schema counts it an integer.
 """

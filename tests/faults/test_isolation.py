@@ -301,7 +301,7 @@ class TestKeyCollisions:
                 got = view.json()["budgets"][0]["reserved"] if view.status_code == 200 else None
                 if got != amount:
                     problems.append(f"{(tenant, api_key)!r}: reserved {got}, expected {amount}")
-        pending = [k for k in redis_sync.scan_iter(match=f"{key_prefix}p:*")]
+        pending = [k for k in redis_sync.scan_iter(match=f"{key_prefix}pw:*")]
         fault_record.add(
             events_checked=len(subjects),
             distinct_keys=len(keys),

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from schemas import window_codec
-from schemas.redis_keys import pending_key, window_key
+from schemas.redis_keys import pending_window_key, window_key
 from schemas.windows import WindowSpec
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.factories import PolicyFactory
@@ -30,7 +30,7 @@ ADMITS = 500
 
 
 def _pending(client: redis.Redis, prefix: str, key: str) -> int:
-    return sum(int(v.split(b":")[0]) for v in client.hvals(pending_key(prefix, key)))
+    return sum(int(v) for v in client.hvals(pending_window_key(prefix, key)))
 
 
 async def _fire(procs: list[AdmissionProc], bodies: list[dict[str, Any]]) -> list[httpx.Response]:

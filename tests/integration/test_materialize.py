@@ -9,10 +9,14 @@ import uuid
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from schemas import window_codec
-from schemas.redis_keys import pending_key, window_key
+from schemas.redis_keys import pending_reservations_key, pending_window_key, window_key
+from schemas.windows import WindowSpec
+from streams.materialize import RedisMaterializer
 from streams.settings import WorkerSettings
+from tests.fixtures.admission import MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.pipeline import ApplyPolicies
 
@@ -23,10 +27,10 @@ def _held(client: redis.Redis, prefix: str, key: str) -> tuple[int, int]:
     """Window sum and pending sum of ``key``, read in one transaction."""
     with client.pipeline(transaction=True) as pipe:
         pipe.get(window_key(prefix, key))
-        pipe.hvals(pending_key(prefix, key))
+        pipe.hvals(pending_window_key(prefix, key))
         raw, pending = pipe.execute()
     used = sum(window_codec.decode(raw).buckets.values()) if raw else 0
-    return used, sum(int(v.split(b":")[0]) for v in pending)
+    return used, sum(int(v) for v in pending)
 
 
 class TestAbsorption:
@@ -66,6 +70,66 @@ class TestAbsorption:
         assert samples[0][1] > 0, "absorbed before the first sample: nothing was observed"
         # At every instant the reservations are held exactly once: in pending or in the window.
         assert {used + pending for used, pending in samples} == {5000}
+
+
+class TestAbsorbScript:
+    """The worker's absorb step on a pending window written by the real admit script."""
+
+    async def test_absorb_moves_each_reservation_from_pending_to_the_window_once(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        policy = policy_factory(limit=10_000, unit="input_tokens", window="60s", bucket="1s")
+        await adm.policies(policy)
+        key, spec = f"{policy.id}|tenant=abs", WindowSpec(60_000, 1000)
+        rids = []
+        for amount in (100, 200, 300):
+            answer = await adm.admit("abs", input_tokens=amount)
+            assert answer.status_code == 200
+            rids.append(answer.json()["reservation_id"])
+        pw, pr = pending_window_key(adm.prefix, key), pending_reservations_key(adm.prefix, key)
+        records = {k.decode(): v.decode() for k, v in (await adm.redis.hgetall(pr)).items()}
+        assert set(records) == set(rids)
+        # Each record names the pending-window field (a bucket's last ms) and its amount.
+        where = {rid: tuple(map(int, records[rid].split(":"))) for rid in rids}
+        assert [a for _, a in where.values()] == [100, 200, 300]
+        assert all(field % 1000 == 999 for field, _ in where.values())
+        assert await adm.pending(key) == 600
+        assert 0 < await adm.redis.pttl(pw) <= 61_000
+        assert 0 < await adm.redis.pttl(pr) <= 61_000
+
+        materializer = RedisMaterializer(adm.redis, adm.prefix)
+        window: dict[int, int] = {}
+
+        async def absorb(rid: str | None, *, write: bool = True) -> int:
+            if rid is not None and write:
+                field, amount = where[rid]
+                window[field - 999] = window.get(field - 999, 0) + amount
+            value = window_codec.encode(window, 1000) if write else None
+            return await materializer.absorb(key, value, spec, [rid] if rid else [])
+
+        assert await absorb(rids[0]) == 100
+        assert await adm.pending(key) == 500
+        stored = window_codec.decode(await adm.redis.get(window_key(adm.prefix, key)))
+        assert sum(stored.buckets.values()) == 100
+        assert await absorb(rids[0], write=False) == 0  # a duplicate reserve: nothing left
+        assert await adm.pending(key) == 500
+        assert await absorb(rids[1]) == 200
+        assert await absorb(rids[2]) == 300
+        assert not await adm.redis.exists(pw, pr), "empty hashes are gone"
+
+    async def test_a_reservation_whose_bucket_was_pruned_leaves_nothing_negative(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        key, spec = "p|tenant=gone", WindowSpec(60_000, 1000)
+        pw, pr = pending_window_key(key_prefix, key), pending_reservations_key(key_prefix, key)
+        await redis_client.hset(pw, mapping={"5999": 70})
+        await redis_client.hset(pr, mapping={"r-old": "1999:40", "r-new": "5999:30"})
+        materializer = RedisMaterializer(redis_client, key_prefix)
+        assert await materializer.absorb(key, None, spec, ["r-old", "r-new", "r-none"]) == 30
+        assert await redis_client.hgetall(pw) == {b"5999": b"40"}
+        assert await redis_client.hgetall(pr) == {}
+        assert not await redis_client.exists(window_key(key_prefix, key))
 
 
 class TestMemory:
