@@ -15,9 +15,10 @@ when one slice counted the id more than once). A lookup reads at most five
 slices, each guarded by a bloom filter; a slice is dropped whole once every id in it is
 older than the horizon plus one slice (records re-read after a crash, up to a slice
 behind the newest arrival, still find their ids), so expiry writes nothing. Memory is
-bounded by the block cache and write buffers (``memory_bytes``); the bulk lives on disk. The set is local: after a
-restart on another disk or a rebalance, the worker rebuilds a partition's ids by reading
-the last horizon of the source topic up to where it resumes (``covered``).
+bounded by the block cache and write buffers (``memory_bytes``); the bulk lives on disk.
+The set is local: after a restart on another disk or a rebalance, the worker rebuilds a
+partition's ids by reading the last horizon of the source topic up to where it resumes
+(``covered``).
 
 Clock: arrival times only (the stream's own), so a replay decides exactly as live did.
 """
