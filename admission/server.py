@@ -48,7 +48,11 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         client, settings.redis_prefix, settings.policy_refresh_s, settings.redis_down_s
     )
     publisher = KafkaPublisher(
-        settings.kafka_bootstrap, settings.topic("usage"), settings.publish_buffer
+        settings.kafka_bootstrap,
+        settings.topic("usage"),
+        settings.publish_buffer,
+        ack_timeout_s=settings.ack_timeout_s,
+        shutdown_s=settings.shutdown_publish_s,
     )
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
