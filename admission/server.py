@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from admission.app import create_app
 from admission.auth import Authorizer, load_tokens
 from admission.publisher import KafkaPublisher
+from admission.redis_check import warn_if_not_durable
 from admission.settings import AdmissionSettings
 from admission.store import BudgetStore
 from schemas.prices import load_catalog
@@ -64,6 +65,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
             logger.warning(
                 "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
             )
+        await warn_if_not_durable(client)
         async with publisher:
             try:
                 yield
