@@ -332,6 +332,7 @@ class TestDurableSettlements:
             expected_total = sum(actual[r] for r in accepted if r not in release)
             expected_total += sum(ESTIMATE for r in rids if r not in accepted)
             fault_record.add(
+                events_checked=len(records),
                 reservations=len(rids),
                 settlements_sent=len(rids),
                 answered_202_finally=len(accepted),
@@ -439,6 +440,7 @@ class TestDurableSettlements:
             total, outcomes = _fold(records, policy)
             expected_total = sum(admitted[r] if r in accepted else ESTIMATE for r in admitted)
             fault_record.add(
+                events_checked=len(records),
                 generations=len(tasks),
                 admits_refused=dict(refused),
                 admitted=len(admitted),
@@ -499,6 +501,7 @@ class TestDurableSettlements:
             listed |= set(line.split())
         answered_202 = {f"commit-{r}" for r in before}
         fault_record.add(
+            events_checked=len(listed),
             shutdown_seconds=round(took, 1),
             exit_code=code,
             reported=found.group(0) if found else None,
