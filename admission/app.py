@@ -42,6 +42,7 @@ from admission.exceptions import (
     AdmissionError,
     AlreadySettled,
     BadRequest,
+    OutcomeUnknown,
     PayloadTooLarge,
     PublishUnavailable,
     StoreUnavailable,
@@ -56,6 +57,8 @@ from admission.metrics import (
     LATENCY,
     PUBLISH_BUFFER,
     PUBLISH_OVERFLOW,
+    SETTLE_LATENCY,
+    SETTLEMENTS,
 )
 from admission.publisher import UsagePublisher
 from admission.store import AdmitResult, BudgetStore, CapTerms, Charge, KeyState, Plan
@@ -85,7 +88,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         413: "Body too large",
         415: "Body is not JSON",
         422: "Usage cannot be counted (for example an unpriced model)",
-        503: "Redis or Kafka unreachable and the policy fails closed",
+        503: (
+            "Redis or Kafka unreachable and the policy fails closed; for commit and release: "
+            "Kafka did not ack in time, outcome unknown, retry safe (Retry-After)"
+        ),
     }.items()
 }
 
@@ -589,12 +595,21 @@ def create_app(
             "occurred_at": datetime.now(UTC),
             "reservation_id": reservation_id,
         }
-        _publish_or_fail(
+        # The id derives from the reservation and the call, so a retry after a 503 (or a
+        # lost answer) is the same event: the publisher never queues it twice, and the
+        # worker dedupes a copy that reached the log from an earlier try.
+        event = (
             CommitEvent(event_id=f"commit-{reservation_id}", usage=usage, **common)
             if usage is not None
-            else ReleaseEvent(event_id=f"release-{reservation_id}", **common),
-            [],
+            else ReleaseEvent(event_id=f"release-{reservation_id}", **common)
         )
+        if not await publisher.publish_acked(event):
+            SETTLEMENTS.labels(kind=kind, result="unknown").inc()
+            raise OutcomeUnknown(
+                f"Kafka did not acknowledge the {kind} of {reservation_id!r} in time: it may "
+                "or may not be recorded; retrying the same call is safe (counted once)"
+            )
+        SETTLEMENTS.labels(kind=kind, result="acked").inc()
         return Accepted(reservation_id=reservation_id)
 
     @api.post(
@@ -603,9 +618,18 @@ def create_app(
         response_model=Accepted,
         responses={404: {"model": ErrorBody}, 409: {"model": ErrorBody}, **_ERRORS},
         summary="Charge the actual usage of a reservation (replaces its estimate).",
+        description=(
+            "202 once Kafka acknowledged the commit event (it is in the log). 503 "
+            "`outcome_unknown` with Retry-After when no ack came in time: send the same call "
+            "again; its event id derives from the reservation, so it is counted once."
+        ),
     )
     async def commit(body: CommitRequest, who: Principal = Depends(principal)) -> Accepted:  # noqa: B008
-        return await _settle(body.reservation_id, body.usage, who)
+        started = time.perf_counter()
+        try:
+            return await _settle(body.reservation_id, body.usage, who)
+        finally:
+            SETTLE_LATENCY.observe(time.perf_counter() - started)
 
     @api.post(
         "/release",
@@ -613,9 +637,17 @@ def create_app(
         response_model=Accepted,
         responses={404: {"model": ErrorBody}, 409: {"model": ErrorBody}, **_ERRORS},
         summary="Free a reservation that generated nothing.",
+        description=(
+            "202 once Kafka acknowledged the release event; 503 `outcome_unknown` with "
+            "Retry-After when no ack came in time (retrying is safe, counted once)."
+        ),
     )
     async def release(body: ReleaseRequest, who: Principal = Depends(principal)) -> Accepted:  # noqa: B008
-        return await _settle(body.reservation_id, None, who)
+        started = time.perf_counter()
+        try:
+            return await _settle(body.reservation_id, None, who)
+        finally:
+            SETTLE_LATENCY.observe(time.perf_counter() - started)
 
     @api.get(
         "/budgets",

@@ -13,13 +13,18 @@ On leaving the block the reservation is settled: the usage reported (the last
 nothing was reported. An exception or a cancellation mid-generation commits the partial
 usage reported so far and is re-raised. Calls are retried on connection errors and 5xx
 answers with the same ``request_id`` (admit) or ``reservation_id`` (commit/release), so
-a retry never reserves twice.
+a retry never reserves twice and a commit or release is counted once. Retries are
+bounded (``retries``) and back off exponentially with jitter (``backoff_s`` doubling up
+to ``max_backoff_s``); a ``Retry-After`` from the service is honoured, capped at
+``max_backoff_s``. A commit or release answered 503 ``outcome_unknown`` (Kafka did not
+ack in time) is exactly such a retry: it returns once the event is in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -68,14 +73,43 @@ def _retriable(response: httpx.Response) -> bool:
     return response.status_code >= 500
 
 
+def _server_error(response: httpx.Response) -> AdmissionRequestError:
+    try:
+        error = response.json()["error"]
+        return AdmissionRequestError(response.status_code, error["code"], error["message"])
+    except (ValueError, KeyError, TypeError):
+        return AdmissionRequestError(response.status_code, "server_error", response.text[:200])
+
+
+def _retry_after_s(response: httpx.Response | None) -> float:
+    """The ``Retry-After`` of a 5xx in seconds (0 when absent or an HTTP date)."""
+    if response is None:
+        return 0.0
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return 0.0
+
+
 class _Base:
-    def __init__(self, token: str | None, retries: int, backoff_s: float) -> None:
+    def __init__(
+        self, token: str | None, retries: int, backoff_s: float, max_backoff_s: float
+    ) -> None:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
 
-    def _wait(self, attempt: int) -> float:
-        return float(self.backoff_s * (2**attempt))
+    def _wait(self, attempt: int, last: httpx.Response | None = None) -> float:
+        """Seconds to sleep before retry number ``attempt + 1``.
+
+        Exponential with jitter (half to all of ``backoff_s * 2**attempt``, so callers
+        that failed together do not return together), at least the service's
+        ``Retry-After``, never more than ``max_backoff_s``.
+        """
+        backoff = min(self.max_backoff_s, self.backoff_s * (2**attempt))
+        backoff *= random.uniform(0.5, 1.0)  # jitter, not secrecy
+        return float(min(self.max_backoff_s, max(backoff, _retry_after_s(last))))
 
 
 class Generation:
@@ -122,11 +156,12 @@ class AdmissionClient(_Base):
         token: str | None = None,
         *,
         timeout_s: float = 5.0,
-        retries: int = 3,
+        retries: int = 5,
         backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(token, retries, backoff_s)
+        super().__init__(token, retries, backoff_s, max_backoff_s)
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -141,16 +176,18 @@ class AdmissionClient(_Base):
 
     def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         last: Exception | None = None
+        failed: httpx.Response | None = None
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self._wait(attempt - 1))
+                time.sleep(self._wait(attempt - 1, failed))
+            failed = None
             try:
                 response = self._http.post(path, json=body, headers=self.headers)
             except httpx.TransportError as exc:
                 last = exc
                 continue
-            if _retriable(response) and attempt < self.retries:
-                last = AdmissionRequestError(response.status_code, "server_error", response.text)
+            if _retriable(response):
+                last, failed = _server_error(response), response
                 continue
             _raise_for(response)
             return response
@@ -223,11 +260,12 @@ class AsyncAdmissionClient(_Base):
         token: str | None = None,
         *,
         timeout_s: float = 5.0,
-        retries: int = 3,
+        retries: int = 5,
         backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(token, retries, backoff_s)
+        super().__init__(token, retries, backoff_s, max_backoff_s)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=transport)
 
     async def aclose(self) -> None:
@@ -242,16 +280,18 @@ class AsyncAdmissionClient(_Base):
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         last: Exception | None = None
+        failed: httpx.Response | None = None
         for attempt in range(self.retries + 1):
             if attempt:
-                await asyncio.sleep(self._wait(attempt - 1))
+                await asyncio.sleep(self._wait(attempt - 1, failed))
+            failed = None
             try:
                 response = await self._http.post(path, json=body, headers=self.headers)
             except httpx.TransportError as exc:
                 last = exc
                 continue
-            if _retriable(response) and attempt < self.retries:
-                last = AdmissionRequestError(response.status_code, "server_error", response.text)
+            if _retriable(response):
+                last, failed = _server_error(response), response
                 continue
             _raise_for(response)
             return response

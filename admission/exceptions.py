@@ -13,7 +13,8 @@ Tree::
     │   ├── UnsupportedMediaType    415 the body is not JSON
     │   ├── Unprocessable           422 usage cannot be priced or counted
     │   ├── StoreUnavailable        503 Redis cannot be reached and the policy fails closed
-    │   └── PublishUnavailable      503 the publish buffer is full and the policy fails closed
+    │   ├── PublishUnavailable      503 the publish buffer is full and the policy fails closed
+    │   └── OutcomeUnknown          503 Kafka did not ack a commit/release in time: retry it
     └── AdmissionClientError        raised by admission.client
         ├── BudgetExceeded          429: carries retry_after_seconds / never_fits
         ├── AdmissionRequestError   any other 4xx: carries status, code, message, field
@@ -108,6 +109,16 @@ class PublishUnavailable(AdmissionError):
 
     status = 503
     code = "publish_unavailable"
+    retriable = True
+
+
+class OutcomeUnknown(AdmissionError):
+    """Kafka did not acknowledge the commit or release in time, so it may or may not be in
+    the log: send the same call again (its event id derives from the reservation, so it is
+    counted once) and check Kafka if it keeps failing."""
+
+    status = 503
+    code = "outcome_unknown"
     retriable = True
 
 

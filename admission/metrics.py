@@ -36,3 +36,19 @@ PUBLISH_OVERFLOW = Counter(
 PUBLISH_RETRIES = Counter(
     "spendgate_admission_publish_retries_total", "Event sends retried after a failure."
 )
+UNPUBLISHED_AT_SHUTDOWN = Counter(
+    "spendgate_admission_unpublished_at_shutdown_total",
+    "Events still unacknowledged by Kafka when the shutdown wait ran out, by kind "
+    "(none of them was answered 202).",
+    ["kind"],
+)
+SETTLEMENTS = Counter(
+    "spendgate_admission_settlements_total",
+    "Commit and release answers by result: acked (202) or unknown (503, retry safe).",
+    ["kind", "result"],
+)
+SETTLE_LATENCY = Histogram(
+    "spendgate_admission_settle_seconds",
+    "Time to answer a commit or release, including the wait for the broker's ack.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
+)

@@ -1,19 +1,25 @@
-"""Publish usage events to Kafka without making the caller wait for acks."""
+"""Publish usage events to Kafka: reserves queued without waiting, settlements acked."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from typing import Protocol
 
 from aiokafka import AIOKafkaProducer
 
-from admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES
+from admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES, UNPUBLISHED_AT_SHUTDOWN
 from schemas.events import UsageEvent, partition_key
 
 logger = logging.getLogger(__name__)
+
+#: Settlement ids remembered as acked, so a retry after a late ack answers at once.
+ACKED_MEMORY = 65_536
+#: Event ids per log line of the shutdown report (one line per chunk, none cut).
+IDS_PER_LINE = 500
 
 
 class UsagePublisher(Protocol):
@@ -24,29 +30,60 @@ class UsagePublisher(Protocol):
         ...
 
     def publish(self, event: UsageEvent) -> bool:
-        """Queue one event; False when the bounded buffer is full."""
+        """Queue one event without waiting; False when the bounded buffer is full."""
+        ...
+
+    async def publish_acked(self, event: UsageEvent) -> bool:
+        """Queue one event and wait, within the publisher's bound, until the broker acked it.
+
+        Returns False when no ack came in time: the outcome is unknown (the event stays
+        queued and may still land). Calling again with the same ``event_id`` never queues
+        a second copy while the first is queued, in flight or remembered as acked.
+        """
         ...
 
 
 class KafkaPublisher:
-    """An idempotent aiokafka producer fed from a bounded in-memory buffer.
+    """An idempotent aiokafka producer (``acks=all``) fed from a bounded in-memory buffer.
 
-    ``publish`` never waits: the event joins the buffer and a background task sends it.
+    ``publish`` never waits: the event joins the buffer and a background task sends it
+    (the admit path). ``publish_acked`` joins the same buffer and waits for the broker's
+    ack up to ``ack_timeout_s`` (commit and release: their 202 means "in the log").
+    Concurrent events share the producer's batches: each is handed to ``send()`` and its
+    ack observed on the returned future; nothing flushes per request.
+
     An event counts against the bound from ``publish`` until the broker acks it; a send
     that fails (broker down, timeout) puts the event back at the head of the buffer and
-    is retried with backoff, so nothing accepted is dropped while the process lives. The
-    producer itself is (re)started in the background, so the service starts and answers
-    even while Kafka is down.
+    is retried with backoff while the process lives. The producer itself is (re)started
+    in the background, so the service starts and answers even while Kafka is down. On
+    exit the buffer is drained for at most ``shutdown_s``; what is still unacked then is
+    logged (count per kind and every event id) and counted in
+    ``spendgate_admission_unpublished_at_shutdown_total``.
     """
 
-    def __init__(self, bootstrap: str, topic: str, buffer: int, retry_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        buffer: int,
+        retry_s: float = 0.5,
+        *,
+        ack_timeout_s: float = 2.0,
+        shutdown_s: float = 10.0,
+    ) -> None:
         self.topic = topic
         self.bootstrap = bootstrap
         self.capacity = buffer
         self.retry_s = retry_s
+        self.ack_timeout_s = ack_timeout_s
+        self.shutdown_s = shutdown_s
         self.producer: AIOKafkaProducer | None = None
         self._queue: deque[UsageEvent] = deque()
-        self._inflight = 0
+        self._inflight: dict[int, UsageEvent] = {}
+        self._seq = itertools.count()
+        #: event id -> the future its ``publish_acked`` callers wait on.
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._acked: OrderedDict[str, None] = OrderedDict()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.connected = False
@@ -54,7 +91,7 @@ class KafkaPublisher:
     @property
     def depth(self) -> int:
         """Events accepted and not yet acked."""
-        return len(self._queue) + self._inflight
+        return len(self._queue) + len(self._inflight)
 
     def has_room(self) -> bool:
         """Whether one more event fits in the buffer."""
@@ -69,13 +106,47 @@ class KafkaPublisher:
         self._wakeup.set()
         return True
 
-    def _acked(self, event: UsageEvent, future: asyncio.Future[object]) -> None:
-        self._inflight -= 1
+    async def publish_acked(self, event: UsageEvent) -> bool:
+        """Queue ``event`` (once per id) and wait up to ``ack_timeout_s`` for its ack.
+
+        Returns:
+            True once the broker acked the event (now or earlier), False when the wait
+            ran out or the buffer is full (the outcome is then unknown: a retry is safe).
+        """
+        if event.event_id in self._acked:
+            return True
+        waiter = self._waiting.get(event.event_id)
+        if waiter is None:
+            if not self.publish(event):
+                return False
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting[event.event_id] = waiter
+        try:
+            # Shielded: one caller timing out must not cancel the ack others wait for.
+            await asyncio.wait_for(asyncio.shield(waiter), self.ack_timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _acked_ok(self, event: UsageEvent) -> None:
+        waiter = self._waiting.pop(event.event_id, None)
+        if waiter is None:
+            return
+        if not waiter.done():
+            waiter.set_result(None)
+        self._acked[event.event_id] = None
+        if len(self._acked) > ACKED_MEMORY:
+            self._acked.popitem(last=False)
+
+    def _done(self, seq: int, event: UsageEvent, future: asyncio.Future[object]) -> None:
+        self._inflight.pop(seq, None)
         if future.cancelled() or future.exception() is not None:
             PUBLISH_RETRIES.inc()
             logger.warning("publishing %s failed; will retry", event.event_id)
             self._queue.appendleft(event)
             self._wakeup.set()
+        else:
+            self._acked_ok(event)
         PUBLISH_BUFFER.set(self.depth)
 
     async def _start_producer(self) -> AIOKafkaProducer:
@@ -83,11 +154,16 @@ class KafkaPublisher:
             producer = AIOKafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 enable_idempotence=True,
+                acks="all",
                 linger_ms=2,
                 request_timeout_ms=10_000,
             )
             try:
                 await producer.start()
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await producer.stop()
+                raise
             except Exception as exc:  # noqa: BLE001 - any start failure: retry later
                 logger.warning("Kafka producer cannot start (%s); retrying", exc)
                 with contextlib.suppress(Exception):
@@ -98,28 +174,32 @@ class KafkaPublisher:
             return producer
 
     async def _run(self) -> None:
-        self.producer = await self._start_producer()
+        self.producer = producer = await self._start_producer()
         while True:
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             event = self._queue.popleft()
-            self._inflight += 1
+            seq = next(self._seq)
+            self._inflight[seq] = event
             try:
-                future = await self.producer.send(
+                future = await producer.send(
                     self.topic,
                     event.model_dump_json().encode(),
                     key=partition_key(event.subject),
                 )
-            except Exception as exc:  # noqa: BLE001 - retried, never dropped
-                self._inflight -= 1
+            except BaseException as exc:
+                # Cancelled (shutdown) or refused: the event is still ours to account for.
+                self._inflight.pop(seq, None)
                 self._queue.appendleft(event)
+                if not isinstance(exc, Exception):
+                    raise
                 PUBLISH_RETRIES.inc()
                 logger.warning("queueing %s failed (%s); retrying", event.event_id, exc)
                 await asyncio.sleep(self.retry_s)
                 continue
-            future.add_done_callback(lambda f, e=event: self._acked(e, f))
+            future.add_done_callback(lambda f, s=seq, e=event: self._done(s, e, f))
 
     async def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every accepted event is acked; False on timeout."""
@@ -129,6 +209,28 @@ class KafkaPublisher:
             await asyncio.sleep(0.02)
         return self.depth == 0
 
+    def unpublished(self) -> list[UsageEvent]:
+        """Events accepted and not (yet) acked: in flight first, then queued."""
+        return [*self._inflight.values(), *self._queue]
+
+    def _report_unpublished(self) -> None:
+        left = self.unpublished()
+        if not left:
+            logger.info("every accepted event was published before shutdown")
+            return
+        kinds = Counter(e.kind for e in left)
+        for kind, count in kinds.items():
+            UNPUBLISHED_AT_SHUTDOWN.labels(kind=kind).inc(count)
+        logger.error(
+            "%d events were not acknowledged by Kafka before shutdown (%s); none of them was "
+            "answered 202; their ids follow",
+            len(left),
+            ", ".join(f"{kind}={count}" for kind, count in sorted(kinds.items())),
+        )
+        ids = [e.event_id for e in left]
+        for start in range(0, len(ids), IDS_PER_LINE):
+            logger.error("unpublished event ids: %s", " ".join(ids[start : start + IDS_PER_LINE]))
+
     async def __aenter__(self) -> KafkaPublisher:
         # aiokafka binds to the running loop, so the producer is made in the task.
         self._wakeup = asyncio.Event()
@@ -136,13 +238,20 @@ class KafkaPublisher:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.connected:
-            await self.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_s
         if self.depth:
-            logger.error("%d events were not published before shutdown", self.depth)
+            await self.flush(self.shutdown_s)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self.producer is not None:
-            await self.producer.stop()
+            # Bounded: with the broker gone, stopping would otherwise wait out every batch.
+            try:
+                await asyncio.wait_for(self.producer.stop(), max(0.5, deadline - loop.time()))
+            except TimeoutError:
+                logger.warning("the Kafka producer did not stop in time")
+        for waiter in self._waiting.values():
+            waiter.cancel()
+        self._report_unpublished()

@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from admission.app import create_app
 from admission.auth import Authorizer, load_tokens
 from admission.publisher import KafkaPublisher
+from admission.redis_check import warn_if_not_durable
 from admission.settings import AdmissionSettings
 from admission.store import BudgetStore
 from schemas.prices import load_catalog
@@ -48,7 +49,11 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         client, settings.redis_prefix, settings.policy_refresh_s, settings.redis_down_s
     )
     publisher = KafkaPublisher(
-        settings.kafka_bootstrap, settings.topic("usage"), settings.publish_buffer
+        settings.kafka_bootstrap,
+        settings.topic("usage"),
+        settings.publish_buffer,
+        ack_timeout_s=settings.ack_timeout_s,
+        shutdown_s=settings.shutdown_publish_s,
     )
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
@@ -60,6 +65,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
             logger.warning(
                 "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
             )
+        await warn_if_not_durable(client)
         async with publisher:
             try:
                 yield

@@ -34,6 +34,12 @@ class AdmissionSettings(BaseSettings):
     redis_connections: int = Field(32, ge=1)
     #: After a Redis failure, answer from the failure mode this long before trying again.
     redis_down_s: float = Field(0.5, ge=0)
+    #: Commit and release answer 202 only once Kafka acked their event; after this long
+    #: without an ack they answer 503 (outcome unknown, a retry is safe).
+    ack_timeout_s: float = Field(2.0, gt=0)
+    #: On shutdown, how long unacked events may still take to reach Kafka; what is left
+    #: is logged (count per kind, event ids) and counted in a metric.
+    shutdown_publish_s: float = Field(10.0, ge=0)
     #: Larger request bodies are refused with 413.
     max_body_bytes: int = Field(65_536, ge=1024)
 

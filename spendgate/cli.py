@@ -63,7 +63,10 @@ def dev_up() -> None:
 
 @dev.command("down")
 def dev_down(
-    wipe: Annotated[bool, typer.Option("--wipe", help="Also delete the broker's data.")] = False,
+    wipe: Annotated[
+        bool,
+        typer.Option("--wipe", help="Also delete the broker's data and Redis's append-only file."),
+    ] = False,
 ) -> None:
     """Stop the Kafka broker and Redis server that `dev up` started (and nothing else)."""
     from spendgate.devstack import LocalStack, StackSettings
@@ -73,7 +76,7 @@ def dev_down(
     console.print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
     if wipe:
         stack.wipe()
-        console.print(f"wiped {stack.dir / 'kafka' / 'data'}")
+        console.print(f"wiped {stack.dir / 'kafka' / 'data'} and {stack.dir / 'redis'}")
 
 
 @dev.command("status")

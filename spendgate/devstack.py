@@ -310,29 +310,38 @@ class LocalStack:
             "(Debian/Ubuntu) or install Redis >= 7 and put redis-server on PATH"
         )
 
-    def _start_redis(self) -> int:
+    def redis_command(self, binary: str = "redis-server") -> list[str]:
+        """The ``redis-server`` command line of the stack (persistent, never evicting)."""
         s = self.settings
-        binary = self._redis_binary()
-        self._refuse_foreign_port("redis", s.redis_port)
-        rdir = self.dir / "redis"
-        rdir.mkdir(parents=True, exist_ok=True)
-        cmd = [
+        return [
             binary,
             "--port",
             str(s.redis_port),
             "--bind",
             "127.0.0.1",
+            # Pending reservations and the windows between two worker writes live only
+            # here: log every write, fsync each second, and refuse rather than evict.
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--maxmemory-policy",
+            "noeviction",
             "--dir",
-            str(rdir),
+            str(self.dir / "redis"),
             "--logfile",
             str(self.log_path("redis")),
             "--daemonize",
             "no",
         ]
+
+    def _start_redis(self) -> int:
+        binary = self._redis_binary()
+        self._refuse_foreign_port("redis", self.settings.redis_port)
+        (self.dir / "redis").mkdir(parents=True, exist_ok=True)
+        cmd = self.redis_command(binary)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
@@ -373,11 +382,13 @@ class LocalStack:
         return self.status()
 
     def wipe(self) -> None:
-        """Delete the broker's data (call after :meth:`down`); the next ``up`` formats anew.
+        """Delete the broker's data and Redis's append-only file (call after :meth:`down`).
 
-        Worker table folders built against the old broker must be wiped too.
+        The next ``up`` formats anew; Redis state derived from the old topics goes with
+        them. Worker table folders built against the old broker must be wiped too.
         """
         shutil.rmtree(self.dir / "kafka" / "data", ignore_errors=True)
+        shutil.rmtree(self.dir / "redis", ignore_errors=True)
 
     def down(self) -> list[Service]:
         """Stop the services this tool started (SIGTERM, then SIGKILL after 30 s)."""

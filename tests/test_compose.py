@@ -56,3 +56,11 @@ class TestCompose:
                 "kafka": {"condition": "service_healthy"},
                 "redis": {"condition": "service_healthy"},
             }
+
+    def test_redis_persists_every_second_and_never_evicts(self) -> None:
+        command = self.services["redis"]["command"]
+        flags = dict(zip(command[1::2], command[2::2], strict=True))
+        assert flags["--appendonly"] == "yes"
+        assert flags["--appendfsync"] == "everysec"
+        assert flags["--maxmemory-policy"] == "noeviction"
+        assert self.services["redis"]["volumes"]

@@ -29,3 +29,17 @@ class TestLocalStack:
         stack = LocalStack(StackSettings(stack_dir=tmp_path))
         (tmp_path / "redis.pid").write_text("999999999")
         assert stack.pid("redis") is None
+
+    def test_redis_persists_every_second_and_never_evicts(self, tmp_path: Path) -> None:
+        command = LocalStack(StackSettings(stack_dir=tmp_path)).redis_command()
+        flags = dict(zip(command[1::2], command[2::2], strict=True))
+        assert flags["--appendonly"] == "yes"
+        assert flags["--appendfsync"] == "everysec"
+        assert flags["--maxmemory-policy"] == "noeviction"
+        assert flags["--dir"] == str(tmp_path / "redis")
+
+    def test_wipe_also_deletes_the_redis_append_only_file(self, tmp_path: Path) -> None:
+        (tmp_path / "redis" / "appendonlydir").mkdir(parents=True)
+        (tmp_path / "kafka" / "data").mkdir(parents=True)
+        LocalStack(StackSettings(stack_dir=tmp_path)).wipe()
+        assert not (tmp_path / "redis").exists() and not (tmp_path / "kafka" / "data").exists()

@@ -132,7 +132,9 @@ class TestPublishBufferFull:
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
         # A real producer that cannot reach any broker: events stay in the buffer.
-        async with KafkaPublisher("127.0.0.1:1", "nowhere.usage", buffer=1) as publisher:
+        async with KafkaPublisher(
+            "127.0.0.1:1", "nowhere.usage", buffer=1, shutdown_s=0.1
+        ) as publisher:
             adm = await make_admission(publisher=publisher)
             closed_p = policy_factory(id="closed-p", failure="closed", match={"env": "c"})
             open_p = policy_factory(id="open-p", failure="open", match={"env": "o"})
