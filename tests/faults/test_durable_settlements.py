@@ -34,6 +34,7 @@ from admission.exceptions import AdmissionClientError
 from schemas.events import parse_event
 from schemas.policies import Policy
 from spendgate.devstack import LocalStack, StackSettings
+from streams.dedupe import IdStore, Position
 from streams.fanout import fan_out
 from streams.kafka_util import assign, partitions, stop
 from streams.ledger import KeyState, apply
@@ -185,8 +186,8 @@ class TallyTransport(httpx.AsyncHTTPTransport):
         return response
 
 
-async def _topic(bootstrap: str, topic: str) -> list[tuple[bytes, int]]:
-    """Every (value, broker timestamp) of ``topic``."""
+async def _topic(bootstrap: str, topic: str) -> list[tuple[bytes, Position]]:
+    """Every (value, position and broker timestamp) of ``topic``."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
@@ -196,11 +197,13 @@ async def _topic(bootstrap: str, topic: str) -> list[tuple[bytes, int]]:
         await assign(consumer, tps)
         end = await consumer.end_offsets(tps)
         await consumer.seek_to_beginning(*tps)
-        out: list[tuple[bytes, int]] = []
+        out: list[tuple[bytes, Position]] = []
         while [tp for tp in tps if await consumer.position(tp) < end[tp]]:
             batch = await consumer.getmany(*tps, timeout_ms=500)
             for messages in batch.values():
-                out += [(m.value or b"", m.timestamp) for m in messages]
+                out += [
+                    (m.value or b"", Position(m.partition, m.offset, m.timestamp)) for m in messages
+                ]
         return out
     finally:
         await stop(consumer)
@@ -223,17 +226,25 @@ async def _until(
 
 
 async def _event_ids(bootstrap: str) -> Counter[str]:
-    return Counter(parse_event(v).event_id for v, _ in await _topic(bootstrap, f"{TOPICS}usage"))
+    return Counter(parse_event(v).event_id for v, _pos in await _topic(bootstrap, f"{TOPICS}usage"))
 
 
-def _fold(records: list[tuple[bytes, int]], policy: Policy) -> tuple[int, Counter[str]]:
-    """The window total the worker's pure fold computes from the log, and its outcomes."""
+def _fold(records: list[tuple[bytes, Position]], policy: Policy) -> tuple[int, Counter[str]]:
+    """The window total the worker's pure fold computes from the log, and its outcomes
+    (``duplicate`` for producer duplicates the id set drops)."""
     state, outcomes = KeyState(), Counter[str]()
-    for raw, broker_ms in records:
-        out = fan_out(raw, broker_ms=broker_ms, policies=[policy], prices=None,
-                      horizon_ms=policy.window_ms, max_future_skew_ms=300_000)  # fmt: skip
-        for rec in out.records:
-            outcomes[apply(state, rec).outcome] += 1
+    ids = IdStore(None, 86_400_000)
+    try:
+        for raw, pos in records:
+            out = fan_out(raw, broker_ms=pos.arrival_ms, policies=[policy], prices=None,
+                          max_future_skew_ms=300_000, src=pos, ids=ids)  # fmt: skip
+            ids.advance(pos)
+            if out.duplicate:
+                outcomes["duplicate"] += 1
+            for rec in out.records:
+                outcomes[apply(state, rec).outcome] += 1
+    finally:
+        ids.close()
     return sum(state.buckets.values()), outcomes
 
 
@@ -327,7 +338,7 @@ class TestDurableSettlements:
                          lambda: _has(stack.bootstrap, wanted), 120)  # fmt: skip
         finally:
             records = await _topic(stack.bootstrap, f"{TOPICS}usage")
-            on_topic = Counter(parse_event(v).event_id for v, _ in records)
+            on_topic = Counter(parse_event(v).event_id for v, _pos in records)
             total, outcomes = _fold(records, policy)
             expected_total = sum(actual[r] for r in accepted if r not in release)
             expected_total += sum(ESTIMATE for r in rids if r not in accepted)
@@ -436,7 +447,7 @@ class TestDurableSettlements:
                          lambda: _has(stack.bootstrap, wanted), 180)  # fmt: skip
         finally:
             records = await _topic(stack.bootstrap, f"{TOPICS}usage")
-            on_topic = Counter(parse_event(v).event_id for v, _ in records)
+            on_topic = Counter(parse_event(v).event_id for v, _pos in records)
             total, outcomes = _fold(records, policy)
             expected_total = sum(admitted[r] if r in accepted else ESTIMATE for r in admitted)
             fault_record.add(
