@@ -85,7 +85,6 @@ def build_app(
         horizon_ms(settings, book.policies.values()),
         settings.dedupe_memory_mb << 20,
     )
-    app.ids = ids  # type: ignore[attr-defined]
     horizon_version = {"version": book.version}
 
     def track_policies() -> None:
