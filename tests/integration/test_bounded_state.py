@@ -39,12 +39,14 @@ MINUTE = 60_000
 DAY = 86_400_000
 
 
-def commit(tenant: str, at: datetime, tokens: int, event_id: str | None = None) -> bytes:
+def commit(
+    tenant: str, at: datetime, tokens: int, event_id: str | None = None, model: str = "m"
+) -> bytes:
     return json.dumps(
         {
             "event_id": event_id or uuid.uuid4().hex,
             "kind": "commit",
-            "subject": {"tenant": tenant, "model": "m"},
+            "subject": {"tenant": tenant, "model": model},
             "occurred_at": at.isoformat(),
             "usage": {"input_tokens": tokens},
         }
@@ -58,7 +60,11 @@ async def send(settings: WorkerSettings, values: list[bytes], tenant: str = "acm
 
 
 def metric(port: int, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    """A metric's value summed over its labels (0 while the worker is still starting)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.ConnectError:
+        return 0.0
     lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
@@ -348,9 +354,13 @@ class TestUnwritable:
         now = datetime.now(UTC).replace(microsecond=0)
         wide = [commit("acme", now - timedelta(seconds=2 * i), 1) for i in range(400)]
         await send(worker_settings, wide)
-        other = policy_factory(unit="input_tokens", limit=10**9, window="1h", bucket="1m")
+        # A second policy only for model m2: the last event counts there (and on the first
+        # policy, where its bucket already exists, so it fits).
+        other = policy_factory(
+            unit="input_tokens", limit=10**9, window="1h", bucket="1m", match={"model": "m2"}
+        )
         await apply_policies(policy, other)
-        await send(worker_settings, [commit("acme", now, 1)])
+        await send(worker_settings, [commit("acme", now, 1, model="m2")])
         # The worker goes on: the next event is counted on the other policy's key.
         await eventually(
             lambda: (
