@@ -92,6 +92,7 @@ async def changelog_sizes(settings: WorkerSettings, key: str) -> list[int]:
 
 
 class TestHotKey:
+    @pytest.mark.timeout(1200)
     async def test_one_key_with_50000_events_over_a_day_stays_flat_and_counts_all(
         self,
         workers: Workers,
@@ -117,10 +118,11 @@ class TestHotKey:
         key = f"{policy.id}|tenant=hot"
         prefix = worker_settings.redis_prefix
         await eventually(
-            lambda: window_sum(redis_sync, prefix, key) == expected,
-            timeout_s=900,
+            lambda: window_sum(redis_sync, prefix, key) >= expected,
+            timeout_s=1000,
             what="all 50,000 events of the hot key counted",
         )
+        assert window_sum(redis_sync, prefix, key) == expected
         assert workers.procs[0].poll() is None, "the worker died"
         sizes = await changelog_sizes(worker_settings, key)
         assert len(sizes) >= 50_000 * 0.9  # one table write per event (or per batch, later)
@@ -131,6 +133,7 @@ class TestHotKey:
 
 
 class TestRedelivery:
+    @pytest.mark.timeout(900)
     async def test_kill_9_mid_stream_then_restart_counts_every_event_once(
         self,
         workers: Workers,
@@ -166,7 +169,9 @@ class TestRedelivery:
         assert 0 < at_kill < total, "the kill must land mid-stream"
         port = free_port()
         workers.start("w2", metrics_port=port)
-        await eventually(lambda: counted() == total, timeout_s=600, what="every event counted")
+        await eventually(lambda: counted() >= total, timeout_s=600, what="every event counted")
+        await asyncio.sleep(2)  # a double count would keep growing past the total
+        assert counted() == total
         for t in tenants:
             assert window_sum(redis_sync, prefix, f"{policy.id}|tenant={t}") == sent[t]
         # Faust commits offsets on an interval, so records after the last commit were
