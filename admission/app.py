@@ -14,7 +14,9 @@ Decisions (``POST /v1/admit``), over every policy matching the subject, in one L
   that model's prices; it is never downgraded twice.
 
 Redis unreachable: the strictest failure mode among the matching enforce policies wins
-(closed > degraded > open); see :mod:`admission.fallback`.
+(closed > degraded > open); see :mod:`admission.fallback`. A saturated process (its queue
+of Redis calls full, or a call held up by the event loop) answers 503 ``overloaded``
+instead; see :mod:`admission.backpressure`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from admission.exceptions import (
     AlreadySettled,
     BadRequest,
     OutcomeUnknown,
+    Overloaded,
     PayloadTooLarge,
     PublishUnavailable,
     StoreUnavailable,
@@ -57,6 +60,7 @@ from admission.metrics import (
     LATENCY,
     PUBLISH_BUFFER,
     PUBLISH_OVERFLOW,
+    REDIS_CALLS,
     SETTLE_LATENCY,
     SETTLEMENTS,
 )
@@ -89,8 +93,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         415: "Body is not JSON",
         422: "Usage cannot be counted (for example an unpriced model)",
         503: (
-            "Redis or Kafka unreachable and the policy fails closed; for commit and release: "
-            "Kafka did not ack in time, outcome unknown, retry safe (Retry-After)"
+            "Redis or Kafka unreachable and the policy fails closed; `overloaded`: this "
+            "process is saturated (not a Redis failure); for commit and release: Kafka did "
+            "not ack in time, outcome unknown, retry safe (Retry-After)"
         ),
     }.items()
 }
@@ -551,6 +556,9 @@ def create_app(
             except StoreUnavailable as exc:
                 return _fallback(body, plans, exc)
             return _from_result(body, plans, result)
+        except Overloaded:
+            DECISIONS.labels(decision="overloaded").inc()
+            raise
         finally:
             LATENCY.observe(time.perf_counter() - started)
 
@@ -703,6 +711,8 @@ def create_app(
     async def readyz() -> Response:
         try:
             ok = await store.ping()
+        except Overloaded as exc:
+            return _error(exc.status, exc.code, exc.message, headers={"Retry-After": "1"})
         except StoreUnavailable:
             ok = False
         if ok:
@@ -723,6 +733,8 @@ def create_app(
         depth = getattr(publisher, "depth", None)
         if isinstance(depth, int):
             PUBLISH_BUFFER.set(depth)
+        REDIS_CALLS.labels(state="running").set(store.backpressure.running)
+        REDIS_CALLS.labels(state="waiting").set(store.backpressure.waiting)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -13,6 +13,7 @@ Tree::
     │   ├── UnsupportedMediaType    415 the body is not JSON
     │   ├── Unprocessable           422 usage cannot be priced or counted
     │   ├── StoreUnavailable        503 Redis cannot be reached and the policy fails closed
+    │   ├── Overloaded              503 this process has more Redis calls than it can queue
     │   ├── PublishUnavailable      503 the publish buffer is full and the policy fails closed
     │   └── OutcomeUnknown          503 Kafka did not ack a commit/release in time: retry it
     └── AdmissionClientError        raised by admission.client
@@ -101,6 +102,18 @@ class StoreUnavailable(AdmissionError):
 
     status = 503
     code = "store_unavailable"
+    retriable = True
+
+
+class Overloaded(AdmissionError):
+    """This process is saturated (its queue of Redis calls is full, or a call waited too long
+    for a connection or for the event loop): retry the same call after ``Retry-After`` (a
+    repeated request id never reserves twice), and add admission processes or
+    ``SPENDGATE_REDIS_CONNECTIONS`` if it persists. It is never answered from the policy's
+    failure mode, which is for a Redis that does not answer."""
+
+    status = 503
+    code = "overloaded"
     retriable = True
 
 

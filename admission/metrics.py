@@ -6,7 +6,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter(
     "spendgate_admission_decisions_total",
-    "Admission answers by decision (allow, cap, downgrade, observe_reject, reject, error).",
+    "Admission answers by decision (allow, cap, downgrade, observe_reject, reject, error, "
+    "overloaded).",
     ["decision"],
 )
 LATENCY = Histogram(
@@ -18,6 +19,18 @@ STORE_FAILURES = Counter(
     "spendgate_admission_store_failures_total",
     "Redis calls that failed (connection refused, timeout) or were skipped while it is down.",
     ["kind"],
+)
+OVERLOADED = Counter(
+    "spendgate_admission_overloaded_total",
+    "Redis calls refused as overload (503 overloaded), by reason: queue_full, queue_wait "
+    "(no connection slot in time), pool_wait, loop_lag (a timeout while the event loop was "
+    "held up).",
+    ["reason"],
+)
+REDIS_CALLS = Gauge(
+    "spendgate_admission_redis_calls",
+    "Redis calls of this process by state: running (holding a connection) or waiting.",
+    ["state"],
 )
 FALLBACK_ADMITS = Counter(
     "spendgate_admission_fallback_total",

@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 
 from admission.app import create_app
 from admission.auth import Authorizer, load_tokens
+from admission.backpressure import Backpressure
 from admission.publisher import KafkaPublisher
 from admission.redis_check import warn_if_not_durable
 from admission.settings import AdmissionSettings
@@ -33,8 +34,9 @@ def redis_client(settings: AdmissionSettings) -> aioredis.Redis:
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_connections,
-        # Waiting for a pooled connection is bounded too: a stuck pool is a failing store.
-        timeout=max(1.0, settings.redis_timeout_s),
+        # The store's backpressure queues calls before they ask the pool, so this wait is
+        # only a backstop (answered as overload, never as a failing Redis).
+        timeout=settings.redis_queue_wait_s,
         socket_timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s,
         retry=Retry(NoBackoff(), 0),
@@ -42,12 +44,27 @@ def redis_client(settings: AdmissionSettings) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
+def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetStore:
+    """The store on ``client`` (from :func:`redis_client`), its queue sized to the pool."""
+    backpressure = Backpressure(
+        slots=settings.redis_connections,
+        queue=settings.redis_queue,
+        wait_s=settings.redis_queue_wait_s,
+        timeout_s=settings.redis_timeout_s,
+    )
+    return BudgetStore(
+        client,
+        settings.redis_prefix,
+        settings.policy_refresh_s,
+        settings.redis_down_s,
+        backpressure=backpressure,
+    )
+
+
 def build_app(settings: AdmissionSettings) -> FastAPI:
     """The admission app whose lifespan opens Redis and the Kafka producer."""
     client = redis_client(settings)
-    store = BudgetStore(
-        client, settings.redis_prefix, settings.policy_refresh_s, settings.redis_down_s
-    )
+    store = budget_store(settings, client)
     publisher = KafkaPublisher(
         settings.kafka_bootstrap,
         settings.topic("usage"),

@@ -30,8 +30,13 @@ class AdmissionSettings(BaseSettings):
     publish_buffer: int = Field(10_000, ge=1)
     #: Redis socket and connect timeout: a dead Redis must not stall admission.
     redis_timeout_s: float = Field(0.25, gt=0)
-    #: Connections to Redis per process (a burst waits for one instead of opening more).
+    #: Connections to Redis per process: at most this many Redis calls run at once.
     redis_connections: int = Field(32, ge=1)
+    #: Redis calls that may wait for a connection beyond those running; one more is
+    #: answered 503 ``overloaded`` (backpressure, never the policy's failure mode).
+    redis_queue: int = Field(1024, ge=0)
+    #: The longest a call waits for a connection before it is answered 503 ``overloaded``.
+    redis_queue_wait_s: float = Field(1.0, gt=0)
     #: After a Redis failure, answer from the failure mode this long before trying again.
     redis_down_s: float = Field(0.5, ge=0)
     #: Commit and release answer 202 only once Kafka acked their event; after this long

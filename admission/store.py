@@ -13,8 +13,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from admission.exceptions import StoreUnavailable
-from admission.metrics import STORE_FAILURES
+from admission.backpressure import Backpressure
+from admission.exceptions import Overloaded, StoreUnavailable
+from admission.metrics import OVERLOADED, STORE_FAILURES
 from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE
 from schemas.events import Subject
 from schemas.matching import BudgetTarget
@@ -120,8 +121,10 @@ class BudgetStore:
     """The admission side of Redis.
 
     Every call fails fast with :class:`StoreUnavailable` when Redis does not answer
-    (connection refused, socket timeout), and for ``down_s`` afterwards does not try
-    again, so a dead Redis costs one timeout, not one per request.
+    (connection refused or reset, the call timing out once sent), and for ``down_s``
+    afterwards does not try again, so a dead Redis costs one timeout, not one per request.
+    Every call first takes a slot of ``backpressure``: waiting for a connection or for the
+    event loop is answered :class:`Overloaded`, never as a Redis failure.
     """
 
     def __init__(
@@ -130,11 +133,15 @@ class BudgetStore:
         prefix: str,
         refresh_s: float,
         down_s: float = 0.5,
+        backpressure: Backpressure | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.refresh_s = refresh_s
         self.down_s = down_s
+        self.backpressure = backpressure or Backpressure(
+            slots=32, queue=1024, wait_s=1.0, timeout_s=0.25
+        )
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
         self._policies: list[Policy] | None = None
@@ -154,22 +161,34 @@ class BudgetStore:
         if self.is_down:
             STORE_FAILURES.labels(kind="skipped").inc()
             raise StoreUnavailable(f"Redis is unreachable ({what} skipped; retrying shortly)")
+        gate = self.backpressure
+        started = await gate.acquire()
         try:
             return await call()
         except _STORE_ERRORS as exc:
+            reason = gate.blame(exc, started)
+            if reason is not None:
+                OVERLOADED.labels(reason=reason).inc()
+                logger.info("Redis %s refused as overload (%s): %s", what, reason, exc)
+                raise Overloaded(
+                    f"this admission process is saturated ({reason}); retry shortly"
+                ) from exc
             self._down_until = time.monotonic() + self.down_s
             kind = "timeout" if isinstance(exc, RedisTimeoutError | TimeoutError) else "connection"
             STORE_FAILURES.labels(kind=kind).inc()
             logger.warning("Redis %s failed: %s", what, exc)
             raise StoreUnavailable(f"Redis is unreachable: {exc}") from exc
+        finally:
+            gate.release()
 
     async def policies(self) -> list[Policy]:
         """The policies the stream processor materialized, re-read when they change.
 
-        While Redis is down the last policies read are used.
+        While Redis is down or this process is saturated the last policies read are used.
 
         Raises:
             StoreUnavailable: Redis is down and no policies were ever read.
+            Overloaded: saturated and no policies were ever read.
         """
         if self._policies is not None and time.monotonic() - self._checked < self.refresh_s:
             return self._policies
@@ -193,7 +212,7 @@ class BudgetStore:
                 )
                 self._policies = [Policy.model_validate_json(v) for v in raw.values()]
                 self._version = version
-        except StoreUnavailable:
+        except (StoreUnavailable, Overloaded):
             if self._policies is None:
                 raise
         self._checked = time.monotonic()
@@ -218,6 +237,9 @@ class BudgetStore:
         Raises:
             StoreUnavailable: Redis did not answer, or lost its data (the windows are gone
                 until the worker rewrites them, so deciding from them would over-admit).
+            Overloaded: this process is saturated. Nothing was reserved, except when the
+                script timed out after it was sent (``loop_lag``): then its reservation may
+                stand, and a retry with the same request id returns it.
         """
         if self.lost:
             raise StoreUnavailable(
@@ -294,6 +316,7 @@ class BudgetStore:
 
         Raises:
             StoreUnavailable: Redis did not answer.
+            Overloaded: this process is saturated.
         """
         key = reservation_key(self.prefix, reservation_id)
         raw = await self._call("reservation", lambda: self.client.hget(key, "subject"))
@@ -304,6 +327,7 @@ class BudgetStore:
 
         Raises:
             StoreUnavailable: Redis did not answer.
+            Overloaded: this process is saturated.
         """
         key = reservation_key(self.prefix, reservation_id)
         status, subject = await self._call("settle", lambda: self._settle(keys=[key], args=[kind]))
