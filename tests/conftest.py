@@ -11,6 +11,7 @@ pytest_plugins = [
     "tests.fixtures.factories",
     "tests.fixtures.pipeline",
     "tests.fixtures.admission",
+    "tests.fixtures.embedded_lua",
 ]
 
 settings.register_profile("dev", max_examples=200, deadline=None)

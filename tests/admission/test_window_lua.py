@@ -1,4 +1,9 @@
-"""The Lua window engine, run in a real Redis, against the Python engine."""
+"""The Lua window engine against the Python engine, run in a real Redis and embedded.
+
+Every test that runs Lua takes ``lua_server``: once on the real Redis (``integration``)
+and once embedded (fakeredis + lupa, see ``tests/fixtures/embedded_lua.py``), so the
+fast test run covers the differential tests without a Redis server.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import dataclasses
 import math
 import random
 import re
+import struct
 from dataclasses import dataclass
 
 import pytest
@@ -24,8 +30,7 @@ from schemas.windows import (
     retry_after,
     total,
 )
-
-pytestmark = pytest.mark.integration
+from tests.fixtures.embedded_lua import STRUCT_SHIM, LuaServer
 
 SEED = 20_240_611
 CASES = 4_000
@@ -145,13 +150,13 @@ def sparse_day_case(rng: random.Random) -> Case:
     return Case(spec, buckets, t_ms, rng.randint(amount, 2**50), rng.randint(0, 2**40), amount)
 
 
-def run_lua(client: redis.Redis, key_prefix: str, cases: list[Case]) -> list[list[int]]:
-    script = client.register_script(WINDOW_CHECK_SCRIPT)
+def run_lua(lua: LuaServer, cases: list[Case]) -> list[list[int]]:
+    script = lua.script(WINDOW_CHECK_SCRIPT)
     results: list[list[int]] = []
     for first in range(0, len(cases), BATCH):
-        pipe = client.pipeline(transaction=False)
+        pipe = lua.client.pipeline(transaction=False)
         for index, case in enumerate(cases[first : first + BATCH], start=first):
-            key, pkey = f"{key_prefix}w{index}", f"{key_prefix}pw{index}"
+            key, pkey = f"{lua.prefix}w{index}", f"{lua.prefix}pw{index}"
             pipe.set(key, encode(case.buckets, case.spec.bucket_ms))
             pipe.delete(pkey)
             if case.pending:
@@ -171,21 +176,23 @@ class TestWindowLuaLib:
             if line.startswith("function") or re.match(r"^[A-Za-z_]\w*\s*=", line):
                 pytest.fail(f"global definition in WINDOW_LUA_LIB: {line!r}")
 
-    def test_missing_key_is_an_empty_state(self, redis_sync: redis.Redis, key_prefix: str) -> None:
-        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+    def test_missing_key_is_an_empty_state(self, lua_server: LuaServer) -> None:
+        script = lua_server.script(WINDOW_CHECK_SCRIPT)
         reply = script(
-            keys=[f"{key_prefix}absent"], args=[65_000, 60_000, 10_000, "include", 10, 0, 3]
+            keys=[f"{lua_server.prefix}absent"], args=[65_000, 60_000, 10_000, "include", 10, 0, 3]
         )
         assert reply == [0, 65_000, 0, 0, 0]
 
-    def test_never_fits(self, redis_sync: redis.Redis, key_prefix: str) -> None:
-        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
-        reply = script(keys=[f"{key_prefix}absent"], args=[0, 60_000, 10_000, "prorate", 10, 0, 11])
+    def test_never_fits(self, lua_server: LuaServer) -> None:
+        script = lua_server.script(WINDOW_CHECK_SCRIPT)
+        reply = script(
+            keys=[f"{lua_server.prefix}absent"], args=[0, 60_000, 10_000, "prorate", 10, 0, 11]
+        )
         assert reply == [0, -1, 1, 0, 0]
 
     @pytest.mark.parametrize("new_bucket_ms", [5_000, 10_000, 15_000, 20_000])
     def test_a_changed_bucket_width_is_rebucketed_like_the_worker(
-        self, redis_sync: redis.Redis, key_prefix: str, new_bucket_ms: int
+        self, lua_server: LuaServer, new_bucket_ms: int
     ) -> None:
         rng = random.Random(new_bucket_ms)
         t_ms = 1_700_000_000_000 + rng.randrange(60_000)
@@ -196,16 +203,16 @@ class TestWindowLuaLib:
             old[start] = old.get(start, 0) + rng.randint(1, 1000)
         spec = WindowSpec(60_000, new_bucket_ms, "include")
         moved = rebucket(old, 10_000, new_bucket_ms)
-        key = f"{key_prefix}w"
-        redis_sync.set(key, encode(old, 10_000))
-        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+        key = f"{lua_server.prefix}w"
+        lua_server.client.set(key, encode(old, 10_000))
+        script = lua_server.script(WINDOW_CHECK_SCRIPT)
         args = [t_ms, 60_000, new_bucket_ms, "include", 10**9, 0, 1]
         assert script(keys=[key], args=args)[0] == total(spec, moved, t_ms)
 
-    def test_unknown_boundary_is_an_error(self, redis_sync: redis.Redis, key_prefix: str) -> None:
-        script = redis_sync.register_script(WINDOW_CHECK_SCRIPT)
+    def test_unknown_boundary_is_an_error(self, lua_server: LuaServer) -> None:
+        script = lua_server.script(WINDOW_CHECK_SCRIPT)
         with pytest.raises(redis.ResponseError, match="unknown boundary"):
-            script(keys=[f"{key_prefix}absent"], args=[0, 60_000, 10_000, "half", 10, 0, 1])
+            script(keys=[f"{lua_server.prefix}absent"], args=[0, 60_000, 10_000, "half", 10, 0, 1])
 
 
 MULDIV_SCRIPT = (
@@ -241,8 +248,8 @@ def muldiv_cases(rng: random.Random) -> list[tuple[int, int, int]]:
 
 
 class TestExactArithmetic:
-    def test_prorated_share_is_exact_at_the_limits(self, redis_sync: redis.Redis) -> None:
-        script = redis_sync.register_script(MULDIV_SCRIPT)
+    def test_prorated_share_is_exact_at_the_limits(self, lua_server: LuaServer) -> None:
+        script = lua_server.script(MULDIV_SCRIPT)
         cases = muldiv_cases(random.Random(SEED))
         for first in range(0, len(cases), 300):
             chunk = cases[first : first + 300]
@@ -252,16 +259,72 @@ class TestExactArithmetic:
 
 
 class TestLuaMatchesPython:
-    def test_random_cases(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+    def test_random_cases(self, lua_server: LuaServer) -> None:
         rng = random.Random(SEED)
         cases = [random_case(rng) for _ in range(CASES)]
-        lua = run_lua(redis_sync, key_prefix, cases)
+        lua = run_lua(lua_server, cases)
         for case, got in zip(cases, lua, strict=True):
             assert got == case.python(), case
 
-    def test_full_day_windows(self, redis_sync: redis.Redis, key_prefix: str) -> None:
+    def test_full_day_windows(self, lua_server: LuaServer) -> None:
         rng = random.Random(SEED + 1)
         cases = [dense_day_case(rng) for _ in range(30)] + [sparse_day_case(rng) for _ in range(30)]
-        lua = run_lua(redis_sync, key_prefix, cases)
+        lua = run_lua(lua_server, cases)
         for case, got in zip(cases, lua, strict=True):
             assert got == case.python(), (case.spec, case.t_ms, case.limit, case.amount)
+
+
+UNPACK_SHIM = STRUCT_SHIM + "return {lua_struct.unpack(ARGV[1], ARGV[2], tonumber(ARGV[3]))}"
+UNPACK_REDIS = "return {struct.unpack(ARGV[1], ARGV[2], tonumber(ARGV[3]))}"
+
+
+def unpack_cases(rng: random.Random) -> list[tuple[str, bytes, int]]:
+    """The formats the window decoder uses, at the 2**53 edges and at random, at offsets."""
+    edges = [0, 1, -1, 2**53 - 1, -(2**53 - 1), 2**53, 2**53 + 1, 2**62, -(2**62), 2**32, -(2**32)]
+    cases = []
+    for _ in range(40):
+        m = rng.randint(1, 128)
+        lead = bytes(rng.randrange(256) for _ in range(rng.randint(0, 5)))
+
+        def i8() -> int:
+            return rng.choice(edges) if rng.random() < 0.3 else rng.randint(-(2**62), 2**62)
+
+        header = struct.pack("<BBIqI", rng.randrange(256), 1, rng.randrange(2**32), i8(), m)
+        cases.append(("<BBI4i8I4", lead + header, len(lead) + 1))
+        dense = struct.pack(f"<{m}q", *(i8() for _ in range(m)))
+        cases.append(("<" + "i8" * m, lead + dense, len(lead) + 1))
+        pairs = [v for _ in range(m) for v in (rng.randrange(2**32), i8())]
+        cases.append(("<" + "I4i8" * m, lead + struct.pack("<" + "Iq" * m, *pairs), len(lead) + 1))
+        cases.append(
+            ("<i4", lead + struct.pack("<i", rng.randint(-(2**31), 2**31 - 1)), len(lead) + 1)
+        )
+    return cases
+
+
+def python_unpack(fmt: str, raw: bytes, pos: int) -> list[int]:
+    """What Redis answers for ``struct.unpack``: each value as a double, then an integer."""
+    py = fmt.replace("i8", "q").replace("I4", "I").replace("i4", "i")
+    values = struct.unpack_from(py, raw, pos - 1)
+    return [int(float(v)) for v in values] + [pos + struct.calcsize(py)]
+
+
+class TestStructShim:
+    """The embedded run decodes windows with a pure-Lua ``struct.unpack``: it must agree
+    with Python's ``struct`` (both backends) and with Redis's own (real Redis)."""
+
+    def test_shim_matches_python_struct(self, lua_server: LuaServer) -> None:
+        script = lua_server.client.register_script(UNPACK_SHIM)
+        for fmt, raw, pos in unpack_cases(random.Random(SEED)):
+            assert script(keys=[], args=[fmt, raw, pos]) == python_unpack(fmt, raw, pos), fmt
+
+    def test_shim_refuses_short_data(self, lua_server: LuaServer) -> None:
+        script = lua_server.client.register_script(UNPACK_SHIM)
+        with pytest.raises(redis.ResponseError, match="data string too short"):
+            script(keys=[], args=["<i8", b"1234567", 1])
+
+    @pytest.mark.integration
+    def test_shim_matches_redis_struct(self, redis_sync: redis.Redis) -> None:
+        shim = redis_sync.register_script(UNPACK_SHIM)
+        real = redis_sync.register_script(UNPACK_REDIS)
+        for fmt, raw, pos in unpack_cases(random.Random(SEED + 2)):
+            assert shim(keys=[], args=[fmt, raw, pos]) == real(keys=[], args=[fmt, raw, pos])
