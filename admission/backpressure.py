@@ -9,8 +9,8 @@ overloaded``, ``Retry-After: 1``) and counted; nothing is reserved.
 A socket timeout is blamed on Redis only when this process's event loop kept up: a loop
 held up during the call (CPU-bound request handling, a starved process) can fire the
 timer before it reads a reply that had arrived, and that is overload too. The loop's
-lateness is sampled by a timer that only runs while calls are in flight; held up for a
-fifth of the timeout or more in total during the call, the timeout is the loop's. In
+lateness is sampled by a timer that only runs while calls are in flight; held up once
+for a fifth of the timeout or more during the call, the timeout is the loop's. In
 doubt the answer is ``overloaded``: a Redis that really hangs leaves the loop idle, so
 the next timeout is Redis's and the failure mode applies from then on.
 """
@@ -69,16 +69,21 @@ class LoopLag:
         else:
             self._handle = None
 
-    def held_since(self, since: float) -> float:
-        """How long, in total, the loop was held up between loop time ``since`` and now."""
+    def worst_since(self, since: float) -> float:
+        """The longest the loop was held up at once between loop time ``since`` and now.
+
+        A reply that arrived is read late enough to time out only when one turn of the
+        loop outlasts the rest of the timeout, so the longest turn is what matters.
+        """
         loop = self._loop
         if loop is None:
             return 0.0
-        held = sum(min(late, at - since) for at, late in self._samples if at > since)
+        held = (min(late, at - since) for at, late in self._samples if at > since)
+        worst = max(held, default=0.0)
         if self._handle is not None:
             # A tick that is due but has not run yet: the loop is being held up right now.
-            held += max(0.0, min(loop.time() - self._due, loop.time() - since))
-        return held
+            worst = max(worst, min(loop.time() - self._due, loop.time() - since))
+        return worst
 
 
 class Backpressure:
@@ -88,8 +93,8 @@ class Backpressure:
         slots: calls running at once; the Redis connection pool's size.
         queue: calls that may wait for a slot; one more is refused at once.
         wait_s: the longest a call waits for a slot before it is refused.
-        timeout_s: the Redis socket timeout; a timeout while the loop was held up for a
-            fifth of it or more is overload, not a Redis failure.
+        timeout_s: the Redis socket timeout; a timeout while the loop was held up once
+            for a fifth of it or more is overload, not a Redis failure.
     """
 
     def __init__(self, slots: int, queue: int, wait_s: float, timeout_s: float) -> None:
@@ -154,6 +159,6 @@ class Backpressure:
         if isinstance(cause, TimeoutError) and "No connection available" in str(exc):
             return "pool_wait"
         timed_out = isinstance(exc, RedisTimeoutError | TimeoutError)
-        if timed_out and self.lag.held_since(started) >= self.lag_limit_s:
+        if timed_out and self.lag.worst_since(started) >= self.lag_limit_s:
             return "loop_lag"
         return None

@@ -96,6 +96,20 @@ class TestBlame:
         assert gate.blame(ConnectionResetError(), 0.0) is None
 
 
+class TestLoopLag:
+    async def test_the_loop_is_sampled_only_while_calls_run(self) -> None:
+        gate = Backpressure(slots=1, queue=0, wait_s=1.0, timeout_s=0.05)  # ticks of 5 ms
+        started = await gate.acquire()
+        time.sleep(0.03)  # noqa: ASYNC251 - the loop is held up on purpose
+        await asyncio.sleep(0.01)
+        assert 0.02 <= gate.lag.worst_since(started) < 0.2
+        gate.release()
+        await asyncio.sleep(0.02)
+        assert gate.lag.watchers == 0 and gate.lag._handle is None
+        # Nothing held up after this instant.
+        assert gate.lag.worst_since(asyncio.get_running_loop().time()) == 0.0
+
+
 async def _reply_after(delay_s: float, timeout_s: float) -> str:
     """A stand-in for a Redis call whose reply arrives after ``delay_s``: read the way
     redis-py reads it, under an asyncio timeout, raising its ``TimeoutError``."""

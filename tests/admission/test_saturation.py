@@ -132,11 +132,13 @@ class TestSaturation:
     async def test_a_redis_that_stops_answering_mid_call_follows_the_failure_mode(
         self, make_admission: MakeAdmission, own_redis: OwnRedis, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission(redis_url=own_redis.url, redis_connections=1)
+        adm = await make_admission(
+            redis_url=own_redis.url, redis_connections=1, redis_timeout_s=0.4
+        )
         await adm.policies(policy_factory(limit=1000, unit="input_tokens", failure="closed"))
         assert (await adm.admit("a", input_tokens=1)).status_code == 200
         before = _metric("spendgate_admission_store_failures_total", kind="timeout")
-        # The script is sent and Redis holds it past the 0.2 s timeout.
+        # The script is sent and Redis holds it past the 0.4 s timeout.
         with slow_redis(own_redis, 1.0):
             await asyncio.sleep(0.1)
             answer = await adm.admit("a", input_tokens=1)
