@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -138,6 +139,25 @@ def build_app(
             await materializer.client.set(marker, b"1")
             logger.info("wrote %d budget windows and the policies into Redis", restored)
 
+    drift = DriftCycle()
+
+    @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
+    async def drift_check() -> None:
+        """Compare a budgeted number of windows with Redis per second; heal differences."""
+        if not settings.drift_keys_per_s or not book.ready.is_set():
+            return
+        recovery = getattr(app.tables, "recovery", None)
+        if recovery is not None and recovery.in_recovery:
+            return
+        now_ms = int(time.time() * 1000)
+        for key in drift.next_keys(table, settings.drift_keys_per_s):
+            state = KeyState.from_bytes(table.get(key))
+            if not state.bucket_ms or not windows_live(state, now_ms):
+                continue  # nothing left in the window: Redis may have let it expire
+            if await materializer.heal(key, state):
+                metrics.DRIFT_KEYS.inc()
+                logger.warning("budget window %s differed in Redis from the table: healed", key)
+
     @app.timer(interval=5.0)  # type: ignore[untyped-decorator]
     async def dedupe_figures() -> None:
         metrics.DEDUPE_IDS.set(ids.size())
@@ -214,6 +234,31 @@ def build_app(
                 await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
 
     return app
+
+
+class DriftCycle:
+    """Walks every key of the table, a few per tick, and times each full pass."""
+
+    def __init__(self) -> None:
+        self._keys: Iterator[str] | None = None
+        self._started = time.monotonic()
+
+    def next_keys(self, table: Any, budget: int) -> list[str]:
+        """Up to ``budget`` keys after the ones already visited in this cycle."""
+        if self._keys is None:
+            self._keys, self._started = iter(list(table.keys())), time.monotonic()
+        out = list(itertools.islice(self._keys, budget))
+        if len(out) < budget:
+            metrics.DRIFT_CYCLE.set(time.monotonic() - self._started)
+            metrics.DRIFT_CYCLE_END.set(time.time())
+            self._keys = None
+        return out
+
+
+def windows_live(state: KeyState, now_ms: int) -> bool:
+    """Whether any bucket of ``state`` still counts in its window at ``now_ms``."""
+    first = now_ms - state.window_ms - state.bucket_ms
+    return any(start >= first for start in state.buckets)
 
 
 def horizon_ms(settings: WorkerSettings, policies: Iterable[Policy]) -> int:
