@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--disk-keys", type=int, default=500, help="keys in the RocksDB folder")
     ap.add_argument("--smoke", action="store_true", help="fewer keys on disk")
+    c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.disk_keys = 20
@@ -176,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{build_s * 1000:.0f} ms",
                 ]
             )
+            redis_ok = c.verdict(redis_bytes <= target, f"Redis {label}")
+            rocks_ok = c.verdict(len(value) <= target, f"RocksDB {label}")
+            bare_ok = "MET" if len(bare_value) <= target else "NOT MET"  # a comparison only
             verdicts.append(
-                f"  {label}: Redis {redis_bytes:,} B (target <= {target:,}: "
-                f"{c.verdict(redis_bytes <= target)}); RocksDB value {len(value):,} B "
-                f"(target <= {target:,}: {c.verdict(len(value) <= target)}; without the dedupe "
-                f"memory {len(bare_value):,} B: {c.verdict(len(bare_value) <= target)})"
+                f"  {label}: Redis {redis_bytes:,} B (target <= {target:,}: {redis_ok}); "
+                f"RocksDB value {len(value):,} B (target <= {target:,}: {rocks_ok}; without "
+                f"the dedupe memory {len(bare_value):,} B: {bare_ok})"
             )
     finally:
         client.close()
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print("targets (<= 2 KB sparse, <= 16 KB dense):")
     for line in verdicts:
         print(line)
-    return 0
+    return c.exit_status(args.check)
 
 
 if __name__ == "__main__":
