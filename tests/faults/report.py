@@ -98,6 +98,13 @@ OBSERVATIONS = """\
   `admitted_but_never_published`, asserted equal to what the test derived from its own
   sending order; their estimates stay pending in Redis, `pending_left`, until the
   reservation TTL). A replay never sees them: the documented cost of `failure: open`.
+- **A starting worker can overwrite fresher windows** (found by the changelog test, not
+  yet covered by a deterministic test): a new worker process has no mark in Redis, so its
+  first `keep_redis` tick rewrites every window from `list(table.items())`, a snapshot
+  taken before it awaits each write; records applied meanwhile are overwritten in Redis by
+  the older state until the key is touched again. Seen when records arrived during the
+  start-up: 5 (key, bucket) cells wrong, 240 units lost and 233 double-counted, in 2 of 2
+  full-suite runs. The changelog test now produces only after the new worker's mark is set.
 - **Types on the topic**: `"input_tokens": "100"` and `true` are refused (dead-lettered);
   `5.0` is accepted as 5, as JSON Schema counts it an integer
   (`tests/schemas/test_claims.py`).

@@ -174,7 +174,18 @@ class TestWorkerCrash:
         fault_record.fault(
             f"worker stopped after {half} records; its table folder (SPENDGATE_DATA_DIR) deleted"
         )
+        markers_before = set(redis_sync.scan_iter(match=f"{prefix}worker:*"))
         workers.start("second")
+        # A starting worker finds no mark of its own and rewrites every window from its
+        # table (streams/app.py keep_redis) from a snapshot taken before it awaits each
+        # write; records applied meanwhile can be overwritten by that snapshot (a race
+        # reported apart). Producing only once its mark is set keeps this test on its own
+        # claim: the table itself came back from the changelog.
+        await eventually(
+            lambda: bool(set(redis_sync.scan_iter(match=f"{prefix}worker:*")) - markers_before),
+            timeout_s=120,
+            what="the restarted worker's start-up rewrite done (its mark set)",
+        )
         await produce(bootstrap, usage, work.records[half:])
         fault_record.fault(f"worker restarted on an empty folder; {len(work.records) - half} more")
         try:
