@@ -154,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--disk-keys", type=int, default=500, help="keys in the RocksDB folder")
     ap.add_argument("--smoke", action="store_true", help="fewer keys on disk")
-    ap.add_argument(
-        "--check", action="store_true", help="exit 1 when a target is not met (2 KB / 16 KB)"
-    )
+    c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.disk_keys = 20
@@ -200,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     client = redis.Redis.from_url(c.REDIS)
     rows: list[list[Any]] = []
     verdicts: list[str] = []
-    met = True
     try:
         client.set(window_key(f"{rid}:", "empty"), window_codec.encode({}, BUCKET_MS))
         empty_usage = int(client.memory_usage(window_key(f"{rid}:", "empty"), samples=0) or 0)
@@ -236,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"{build_s * 1000:.0f} ms",
                 ]
             )
-            met = met and redis_bytes <= target and len(value) <= target
+            redis_ok = c.verdict(redis_bytes <= target, f"Redis {label}")
+            rocks_ok = c.verdict(len(value) <= target, f"RocksDB {label}")
             verdicts.append(
-                f"  {label}: Redis {redis_bytes:,} B (target <= {target:,}: "
-                f"{c.verdict(redis_bytes <= target)}); RocksDB value {len(value):,} B "
-                f"(target <= {target:,}: {c.verdict(len(value) <= target)}), "
+                f"  {label}: Redis {redis_bytes:,} B (target <= {target:,}: {redis_ok}); "
+                f"RocksDB value {len(value):,} B (target <= {target:,}: {rocks_ok}), "
                 f"{(disk - empty_folder) // disk_keys:,} B/key on disk "
                 f"(empty folder {empty_folder:,} B subtracted)"
             )
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"targets (<= {SPARSE_TARGET_B:,} B sparse, <= {DENSE_TARGET_B:,} B dense):")
     for line in verdicts:
         print(line)
-    return 1 if args.check and not met else 0
+    return c.exit_status(args.check)
 
 
 if __name__ == "__main__":
