@@ -155,18 +155,12 @@ class RedisMaterializer:
         return int(await self._absorb(keys=keys, args=args))
 
     async def restore(self, key: str, state: KeyState) -> None:
-        """Rewrite one key's window from its table state (after Redis lost its data)."""
-        if not (state.bucket_ms and state.window_ms):
-            return
-        px = 2 * state.window_ms
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(
-                window_key(self.prefix, key),
-                window_codec.encode(state.buckets, state.bucket_ms),
-                px=px,
-            )
-            pipe.set(window_version_key(self.prefix, key), state.version, px=px)
-            await pipe.execute()
+        """Rewrite one key's window from its table state (after Redis lost its data).
+
+        A compare-and-set like :meth:`heal`: records applied while the restore runs write
+        newer versions, which the restore never overwrites with its older snapshot.
+        """
+        await self.heal(key, state)
 
     async def write_policies(self, policies: Iterable[Policy]) -> None:
         """Replace the policies hash with ``policies``."""

@@ -56,6 +56,13 @@ SCENARIOS: dict[str, tuple[str, str]] = {
           "Redis: never over the limit."),
     "7": ("Isolation", "Tokens cannot read or charge other tenants; crafted subject values "
           "cannot reach another budget key."),
+    "12": ("Accepted means durable", "Broker paused + kill -9 of admission + resume, and "
+           "broker down 30 s under load: every settlement answered 202 is in the log, every "
+           "503 retried by the client lands once; SIGTERM with Kafka paused lists exactly "
+           "what was not acked."),
+    "13": ("Drift healed", "Redis windows altered behind the worker's back (doubled, "
+           "trimmed, deleted) while other keys keep receiving events: healed within one "
+           "drift cycle, counted, and no newer window overwritten."),
 }  # fmt: skip
 
 #: Figures shown in each scenario's summary table, when a test recorded them.
@@ -65,6 +72,7 @@ HEADLINE = [
     ("units_double_counted", "units double-counted"),
     ("over_limit_units", "over-limit units"),
     ("cells_differing", "(key, bucket) cells differing"),
+    ("accepted_missing_from_topic", "accepted events missing from the log"),
 ]
 
 #: Root cause and suggested fix of each bug an xfail-strict test reproduces.
@@ -99,13 +107,14 @@ OBSERVATIONS = """\
   sending order; their estimates are held only in Redis's pending window, `pending_left`,
   until their bucket ages out of the window). A replay never sees them: the documented
   cost of `failure: open`.
-- **A starting worker can overwrite fresher windows** (found by the changelog test, not
-  yet covered by a deterministic test): a new worker process has no mark in Redis, so its
-  first `keep_redis` tick rewrites every window from `list(table.items())`, a snapshot
-  taken before it awaits each write; records applied meanwhile are overwritten in Redis by
-  the older state until the key is touched again. Seen when records arrived during the
-  start-up: 5 (key, bucket) cells wrong, 240 units lost and 233 double-counted, in 2 of 2
-  full-suite runs. The changelog test now produces only after the new worker's mark is set.
+- **A starting worker could overwrite fresher windows** (found by the changelog test): a
+  new worker's first `keep_redis` tick rewrote every window from a snapshot taken before it
+  awaited each write, so records applied meanwhile were overwritten by older state (5
+  (key, bucket) cells wrong, 240 units lost and 233 double-counted, in 2 of 2 full-suite
+  runs). Fixed: every window is written with its version (records applied to the key) and
+  the rewrite is a compare-and-set that never replaces a newer window
+  (`tests/integration/test_materialize.py::TestHealScript`). The changelog test still
+  produces only after the new worker's mark is set.
 - **Types on the topic**: `"input_tokens": "100"` and `true` are refused (dead-lettered);
   `5.0` is accepted as 5, as JSON Schema counts it an integer
   (`tests/schemas/test_claims.py`).
