@@ -14,6 +14,7 @@ from typing import Any
 import faust
 import orjson
 import redis.asyncio as aioredis
+from aiokafka import TopicPartition
 
 from schemas.deadletter import dead_letter
 from schemas.policies import Policy
@@ -22,6 +23,7 @@ from streams import metrics
 from streams.alerting import evaluate
 from streams.dedupe import IdStore, Position
 from streams.fanout import fan_out
+from streams.gaps import Positions, committed_offset, missing_range, read_range
 from streams.id_rebuild import rebuild_ids
 from streams.ledger import KeyedRecord, KeyState, apply
 from streams.materialize import RedisMaterializer
@@ -162,76 +164,120 @@ def build_app(
     async def dedupe_figures() -> None:
         metrics.DEDUPE_IDS.set(ids.size())
 
+    split_positions, account_positions = Positions(), Positions()
+
+    @app.on_partitions_assigned.connect
+    def forget_positions(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        # After a rebalance each partition starts again from the group's committed offset.
+        split_positions.forget()
+        account_positions.forget()
+
+    async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
+        """Records of this partition the stream skipped before ``offset`` (read back)."""
+        last = positions.last(partition)
+        tp = TopicPartition(topic, partition)
+        committed = (
+            await committed_offset(settings.kafka_bootstrap, settings.app_id, tp)
+            if last is None
+            else None
+        )
+        wanted = missing_range(last, committed, offset)
+        if not wanted:
+            return []
+        records = await read_range(settings.kafka_bootstrap, tp, wanted)
+        logger.warning(
+            "%s[%d]: the stream skipped offsets %d..%d; handling %d records read back first",
+            topic,
+            partition,
+            wanted.start,
+            wanted.stop - 1,
+            len(records),
+        )
+        metrics.REFILLED.labels(topic=topic).inc(len(records))
+        return records
+
+    async def split_one(raw: bytes, msg: Any, broker_ms: int) -> None:
+        pos = Position(msg.partition, msg.offset, broker_ms)
+        metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
+        track_policies()
+        if ids.covered(pos.partition) < pos.offset - 1:
+            # First record of a partition this worker did not process up to here.
+            await rebuild_ids(settings.kafka_bootstrap, msg.topic, ids, pos)
+        out = fan_out(
+            raw,
+            broker_ms=broker_ms,
+            policies=book.policies.values(),
+            prices=prices,
+            max_future_skew_ms=settings.max_future_skew_ms,
+            src=pos,
+            ids=ids,
+        )
+        ids.advance(pos)
+        split_positions.handled(msg.partition, msg.offset)
+        for reason in [out.rejected] if out.rejected else out.partial:
+            await dead_letter_raw(reason, raw, msg)
+        if out.rejected:
+            metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
+            return
+        if out.duplicate:
+            metrics.DUPLICATES.inc()
+            metrics.EVENTS.labels(kind=out.kind, outcome="duplicate").inc()
+            return
+        metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
+        if out.clamped:
+            metrics.CLAMPED.inc()
+        for rec in out.records:
+            await keyed.send(key=rec.key, value=replace(rec, broker_ms=broker_ms).to_json())
+
+    async def account_one(value: dict[str, Any], msg: Any) -> None:
+        account_positions.handled(msg.partition, msg.offset)
+        rec = KeyedRecord.from_json(value)
+        state = KeyState.from_bytes(table.get(rec.key))
+        change = apply(state, rec)
+        due = evaluate(state, rec) if change.outcome == "applied" else []
+        if change.outcome != "redelivery":
+            encoded = state.to_bytes()
+            if len(encoded) > settings.max_value_bytes:
+                # Written, this value would exceed the changelog's message limit and stop
+                # the worker for good: the record is refused instead.
+                metrics.OUTCOMES.labels(outcome="too_large").inc()
+                metrics.UNWRITABLE.inc()
+                await dead_letter_raw(
+                    f"budget key {rec.key}: its state would be {len(encoded)} bytes, over "
+                    f"max_value_bytes {settings.max_value_bytes}; the record was not "
+                    f"applied (narrow the policy's window or widen its bucket)",
+                    orjson.dumps(value),
+                    msg,
+                )
+                return
+            table[rec.key] = encoded
+        metrics.OUTCOMES.labels(outcome=change.outcome).inc()
+        await materializer.write(rec.key, state, change, rec.spec)
+        if rec.broker_ms:
+            metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
+        # Alerts leave only after the state change is in the table and in Redis.
+        for alert in due:
+            metrics.ALERTS.labels(kind=alert.kind).inc()
+            await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
+
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
         if not book.ready.is_set():
             await book.ready.wait()
         async for event in stream.events():
-            raw: bytes = event.value
             msg = event.message
-            broker_ms = int(msg.timestamp * 1000)
-            pos = Position(msg.partition, msg.offset, broker_ms)
-            metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
-            track_policies()
-            if ids.covered(pos.partition) < pos.offset - 1:
-                # First record of a partition this worker did not process up to here.
-                await rebuild_ids(settings.kafka_bootstrap, msg.topic, ids, pos)
-            out = fan_out(
-                raw,
-                broker_ms=broker_ms,
-                policies=book.policies.values(),
-                prices=prices,
-                max_future_skew_ms=settings.max_future_skew_ms,
-                src=pos,
-                ids=ids,
-            )
-            ids.advance(pos)
-            for reason in [out.rejected] if out.rejected else out.partial:
-                await dead_letter_raw(reason, raw, msg)
-            if out.rejected:
-                metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
-                continue
-            if out.duplicate:
-                metrics.DUPLICATES.inc()
-                metrics.EVENTS.labels(kind=out.kind, outcome="duplicate").inc()
-                continue
-            metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
-            if out.clamped:
-                metrics.CLAMPED.inc()
-            for rec in out.records:
-                await keyed.send(key=rec.key, value=replace(rec, broker_ms=broker_ms).to_json())
+            for back in await skipped(split_positions, msg.topic, msg.partition, msg.offset):
+                await split_one(back.value or b"", back, back.timestamp)
+            await split_one(event.value, msg, int(msg.timestamp * 1000))
 
     @app.agent(keyed, concurrency=1)
     async def account(stream: faust.StreamT[dict[str, Any]]) -> None:
         async for event in stream.events():
-            rec = KeyedRecord.from_json(event.value)
-            state = KeyState.from_bytes(table.get(rec.key))
-            change = apply(state, rec)
-            due = evaluate(state, rec) if change.outcome == "applied" else []
-            if change.outcome != "redelivery":
-                value = state.to_bytes()
-                if len(value) > settings.max_value_bytes:
-                    # Written, this value would exceed the changelog's message limit and
-                    # stop the worker for good: the record is refused instead.
-                    metrics.OUTCOMES.labels(outcome="too_large").inc()
-                    metrics.UNWRITABLE.inc()
-                    await dead_letter_raw(
-                        f"budget key {rec.key}: its state would be {len(value)} bytes, over "
-                        f"max_value_bytes {settings.max_value_bytes}; the record was not "
-                        f"applied (narrow the policy's window or widen its bucket)",
-                        orjson.dumps(event.value),
-                        event.message,
-                    )
-                    continue
-                table[rec.key] = value
-            metrics.OUTCOMES.labels(outcome=change.outcome).inc()
-            await materializer.write(rec.key, state, change, rec.spec)
-            if rec.broker_ms:
-                metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
-            # Alerts leave only after the state change is in the table and in Redis.
-            for alert in due:
-                metrics.ALERTS.labels(kind=alert.kind).inc()
-                await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
+            msg = event.message
+            for back in await skipped(account_positions, msg.topic, msg.partition, msg.offset):
+                # Table writes go to the current event's changelog partition: the same one.
+                await account_one(orjson.loads(back.value or b"{}"), back)
+            await account_one(event.value, msg)
 
     return app
 

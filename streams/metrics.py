@@ -60,3 +60,8 @@ DRIFT_CYCLE_END = Gauge(
     "spendgate_drift_last_cycle_end_timestamp_seconds",
     "When the last full drift cycle ended (Unix time).",
 )
+REFILLED = Counter(
+    "spendgate_skipped_records_refilled_total",
+    "Records the stream skipped (a hole in a partition's offsets), read back and handled.",
+    ["topic"],
+)
