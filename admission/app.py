@@ -28,6 +28,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,6 +80,8 @@ logger = logging.getLogger(__name__)
 
 #: Largest request body accepted (admit bodies are a few hundred bytes).
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
+#: Printable ASCII kept as is in the ``Spendgate-Model`` header; the rest is %-encoded.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 DEFAULT_TTL_MS = 900_000
 #: A subject field given as a query parameter (as ``schemas.types.SubjectValue``).
 QueryValue = Annotated[str | None, Query(min_length=1, max_length=200)]
@@ -405,7 +408,9 @@ def create_app(
         headers.update(extra)
         headers["Spendgate-Decision"] = decision.decision
         if decision.model is not None:
-            headers["Spendgate-Model"] = decision.model
+            # Header values are Latin-1 on the wire: a model name outside it is sent
+            # percent-encoded (RFC 3986 style); the body carries it as sent.
+            headers["Spendgate-Model"] = quote(decision.model, safe=_HEADER_SAFE)
         if decision.retry_after_seconds is not None and status == 429:
             headers["Retry-After"] = str(decision.retry_after_seconds)
         DECISIONS.labels(decision=decision.decision).inc()

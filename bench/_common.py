@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -142,8 +143,32 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def verdict(ok: bool) -> str:
+#: Targets judged NOT MET in this process (``--check`` turns any into exit status 1).
+MISSED: list[str] = []
+
+
+def verdict(ok: bool, what: str = "") -> str:
+    """``MET`` / ``NOT MET`` for a target, remembering a miss for :func:`exit_status`."""
+    if not ok:
+        MISSED.append(what or f"target #{len(MISSED) + 1}")
     return "MET" if ok else "NOT MET"
+
+
+def add_check_flag(ap: argparse.ArgumentParser) -> None:
+    """The ``--check`` flag every benchmark takes."""
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 1 when any target is NOT MET (for CI and claims)",
+    )
+
+
+def exit_status(check: bool) -> int:
+    """0, or 1 under ``--check`` when a target was missed (printed on stderr)."""
+    if check and MISSED:
+        print(f"--check: {len(MISSED)} target(s) NOT MET: {', '.join(MISSED)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def delete_redis_prefix(url: str, prefix: str) -> int:

@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy the server under load")
     ap.add_argument("--plots", default=str(c.PLOTS), help="where PNGs go ('' for none)")
     ap.add_argument("--load", help=argparse.SUPPRESS)
+    c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.load:
         _load_main(args.load)
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         c.delete_redis_prefix(c.REDIS, f"{rid}:")
         c.delete_topics(c.KAFKA, f"{rid}.")
     _report(results, args, budgets, profile_lines)
-    return 0
+    return c.exit_status(args.check)
 
 
 def _report(
@@ -394,14 +395,15 @@ def _report(
         p99 = c.summary_ms(sg_open["latencies"])["p99_ms"]
         lua_p99 = c.summary_ms(lua_open["latencies"])["p99_ms"]
         rps = sg_closed["n"] / sg_closed["elapsed_s"]
+        p99_ok = c.verdict(p99 <= 3.0, f"p99 {n} budget(s)")
         print(
             f"  {n:>2} budget(s): p99 at {args.rate:.0f}/s = {p99:.2f} ms (target <= 3 ms: "
-            f"{c.verdict(p99 <= 3.0)}; baseline lua direct p99 {lua_p99:.2f} ms)"
+            f"{p99_ok}; baseline lua direct p99 {lua_p99:.2f} ms)"
         )
         print(
             f"  {n:>2} budget(s): closed-loop {rps:,.0f} admits/s = {100 * rps / empty_rps:.0f}% "
             f"of the empty endpoint's {empty_rps:,.0f} req/s (target >= 50%: "
-            f"{c.verdict(rps >= 0.5 * empty_rps)})"
+            f"{c.verdict(rps >= 0.5 * empty_rps, f'throughput {n} budget(s)')})"
         )
     if prof:
         print()

@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remaining", type=int, default=5_000, help="units left under the limit")
     ap.add_argument("--trials", type=int, default=5, help="trials per scenario")
     ap.add_argument("--smoke", action="store_true", help="one short trial per scenario")
+    c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.trials = 1
@@ -284,10 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"targets: spendgate units over the limit, worst trial = {worst['spendgate']} "
-        f"(target 0: {c.verdict(worst['spendgate'] == 0)}); baseline fixed-window worst = "
-        f"{worst['fixed-window']} units over"
+        f"(target 0: {c.verdict(worst['spendgate'] == 0, 'overshoot 0')}); baseline "
+        f"fixed-window worst = {worst['fixed-window']} units over"
     )
-    return 0
+    spendgate_errors = sum(r[9] for r in rows if r[2] == "spendgate")
+    print(
+        f"         spendgate requests answered neither 200/202 nor 429: {spendgate_errors} "
+        f"(target 0, else the figures are incomplete: "
+        f"{c.verdict(spendgate_errors == 0, 'no errors')})"
+    )
+    return c.exit_status(args.check)
 
 
 if __name__ == "__main__":

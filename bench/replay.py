@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--smoke", action="store_true", help="tiny CI run (a few hundred events)")
+    c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.events, args.keys = 300, 50
@@ -80,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio = replay_s / raw_best
     print(
         f"targets: replay {replay_s:.2f} s = {ratio:.1f}x the raw consume {raw_best:.2f} s "
-        f"(target <= 2x: {c.verdict(ratio <= 2.0)})"
+        f"(target <= 2x: {c.verdict(ratio <= 2.0, 'replay <= 2x raw')})"
     )
-    return 0
+    return c.exit_status(args.check)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ def window_key(prefix: str, key: str) -> str:
     return f"{prefix}w:{key}"
 
 
+def window_version_key(prefix: str, key: str) -> str:
+    """The version of the window written (the worker's count of records applied to the
+    key), so a drift heal never overwrites a newer window. Admission does not read it."""
+    return f"{prefix}wv:{key}"
+
+
 def pending_window_key(prefix: str, key: str) -> str:
     """Hash of the reservations admission holds that the processor has not absorbed yet,
     summed per bucket: field = the last millisecond of a bucket (its admission instant's,

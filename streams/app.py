@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import faust
 import orjson
 import redis.asyncio as aioredis
+from aiokafka import TopicPartition
 
 from schemas.deadletter import dead_letter
 from schemas.policies import Policy
@@ -21,6 +23,7 @@ from streams import metrics
 from streams.alerting import evaluate
 from streams.dedupe import IdStore, Position
 from streams.fanout import fan_out
+from streams.gaps import Positions, committed_offset, missing_range, read_range
 from streams.id_rebuild import rebuild_ids
 from streams.ledger import KeyedRecord, KeyState, apply
 from streams.materialize import RedisMaterializer
@@ -138,82 +141,170 @@ def build_app(
             await materializer.client.set(marker, b"1")
             logger.info("wrote %d budget windows and the policies into Redis", restored)
 
+    drift = DriftCycle()
+
+    @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
+    async def drift_check() -> None:
+        """Compare a budgeted number of windows with Redis per second; heal differences."""
+        if not settings.drift_keys_per_s or not book.ready.is_set():
+            return
+        recovery = getattr(app.tables, "recovery", None)
+        if recovery is not None and recovery.in_recovery:
+            return
+        now_ms = int(time.time() * 1000)
+        for key in drift.next_keys(table, settings.drift_keys_per_s):
+            state = KeyState.from_bytes(table.get(key))
+            if not state.bucket_ms or not windows_live(state, now_ms):
+                continue  # nothing left in the window: Redis may have let it expire
+            if await materializer.heal(key, state):
+                metrics.DRIFT_KEYS.inc()
+                logger.warning("budget window %s differed in Redis from the table: healed", key)
+
     @app.timer(interval=5.0)  # type: ignore[untyped-decorator]
     async def dedupe_figures() -> None:
         metrics.DEDUPE_IDS.set(ids.size())
+
+    split_positions, account_positions = Positions(), Positions()
+
+    @app.on_partitions_assigned.connect
+    def forget_positions(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        # After a rebalance each partition starts again from the group's committed offset.
+        split_positions.forget()
+        account_positions.forget()
+
+    async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
+        """Records of this partition the stream skipped before ``offset`` (read back)."""
+        last = positions.last(partition)
+        tp = TopicPartition(topic, partition)
+        committed = (
+            await committed_offset(settings.kafka_bootstrap, settings.app_id, tp)
+            if last is None
+            else None
+        )
+        wanted = missing_range(last, committed, offset)
+        if not wanted:
+            return []
+        records = await read_range(settings.kafka_bootstrap, tp, wanted)
+        logger.warning(
+            "%s[%d]: the stream skipped offsets %d..%d; handling %d records read back first",
+            topic,
+            partition,
+            wanted.start,
+            wanted.stop - 1,
+            len(records),
+        )
+        metrics.REFILLED.labels(topic=topic).inc(len(records))
+        return records
+
+    async def split_one(raw: bytes, msg: Any, broker_ms: int) -> None:
+        pos = Position(msg.partition, msg.offset, broker_ms)
+        metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
+        track_policies()
+        if ids.covered(pos.partition) < pos.offset - 1:
+            # First record of a partition this worker did not process up to here.
+            await rebuild_ids(settings.kafka_bootstrap, msg.topic, ids, pos)
+        out = fan_out(
+            raw,
+            broker_ms=broker_ms,
+            policies=book.policies.values(),
+            prices=prices,
+            max_future_skew_ms=settings.max_future_skew_ms,
+            src=pos,
+            ids=ids,
+        )
+        ids.advance(pos)
+        split_positions.handled(msg.partition, msg.offset)
+        for reason in [out.rejected] if out.rejected else out.partial:
+            await dead_letter_raw(reason, raw, msg)
+        if out.rejected:
+            metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
+            return
+        if out.duplicate:
+            metrics.DUPLICATES.inc()
+            metrics.EVENTS.labels(kind=out.kind, outcome="duplicate").inc()
+            return
+        metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
+        if out.clamped:
+            metrics.CLAMPED.inc()
+        for rec in out.records:
+            await keyed.send(key=rec.key, value=replace(rec, broker_ms=broker_ms).to_json())
+
+    async def account_one(value: dict[str, Any], msg: Any) -> None:
+        account_positions.handled(msg.partition, msg.offset)
+        rec = KeyedRecord.from_json(value)
+        state = KeyState.from_bytes(table.get(rec.key))
+        change = apply(state, rec)
+        due = evaluate(state, rec) if change.outcome == "applied" else []
+        if change.outcome != "redelivery":
+            encoded = state.to_bytes()
+            if len(encoded) > settings.max_value_bytes:
+                # Written, this value would exceed the changelog's message limit and stop
+                # the worker for good: the record is refused instead.
+                metrics.OUTCOMES.labels(outcome="too_large").inc()
+                metrics.UNWRITABLE.inc()
+                await dead_letter_raw(
+                    f"budget key {rec.key}: its state would be {len(encoded)} bytes, over "
+                    f"max_value_bytes {settings.max_value_bytes}; the record was not "
+                    f"applied (narrow the policy's window or widen its bucket)",
+                    orjson.dumps(value),
+                    msg,
+                )
+                return
+            table[rec.key] = encoded
+        metrics.OUTCOMES.labels(outcome=change.outcome).inc()
+        await materializer.write(rec.key, state, change, rec.spec)
+        if rec.broker_ms:
+            metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
+        # Alerts leave only after the state change is in the table and in Redis.
+        for alert in due:
+            metrics.ALERTS.labels(kind=alert.kind).inc()
+            await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
 
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
         if not book.ready.is_set():
             await book.ready.wait()
         async for event in stream.events():
-            raw: bytes = event.value
             msg = event.message
-            broker_ms = int(msg.timestamp * 1000)
-            pos = Position(msg.partition, msg.offset, broker_ms)
-            metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
-            track_policies()
-            if ids.covered(pos.partition) < pos.offset - 1:
-                # First record of a partition this worker did not process up to here.
-                await rebuild_ids(settings.kafka_bootstrap, msg.topic, ids, pos)
-            out = fan_out(
-                raw,
-                broker_ms=broker_ms,
-                policies=book.policies.values(),
-                prices=prices,
-                max_future_skew_ms=settings.max_future_skew_ms,
-                src=pos,
-                ids=ids,
-            )
-            ids.advance(pos)
-            for reason in [out.rejected] if out.rejected else out.partial:
-                await dead_letter_raw(reason, raw, msg)
-            if out.rejected:
-                metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
-                continue
-            if out.duplicate:
-                metrics.DUPLICATES.inc()
-                metrics.EVENTS.labels(kind=out.kind, outcome="duplicate").inc()
-                continue
-            metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
-            if out.clamped:
-                metrics.CLAMPED.inc()
-            for rec in out.records:
-                await keyed.send(key=rec.key, value=replace(rec, broker_ms=broker_ms).to_json())
+            for back in await skipped(split_positions, msg.topic, msg.partition, msg.offset):
+                await split_one(back.value or b"", back, back.timestamp)
+            await split_one(event.value, msg, int(msg.timestamp * 1000))
 
     @app.agent(keyed, concurrency=1)
     async def account(stream: faust.StreamT[dict[str, Any]]) -> None:
         async for event in stream.events():
-            rec = KeyedRecord.from_json(event.value)
-            state = KeyState.from_bytes(table.get(rec.key))
-            change = apply(state, rec)
-            due = evaluate(state, rec) if change.outcome == "applied" else []
-            if change.outcome != "redelivery":
-                value = state.to_bytes()
-                if len(value) > settings.max_value_bytes:
-                    # Written, this value would exceed the changelog's message limit and
-                    # stop the worker for good: the record is refused instead.
-                    metrics.OUTCOMES.labels(outcome="too_large").inc()
-                    metrics.UNWRITABLE.inc()
-                    await dead_letter_raw(
-                        f"budget key {rec.key}: its state would be {len(value)} bytes, over "
-                        f"max_value_bytes {settings.max_value_bytes}; the record was not "
-                        f"applied (narrow the policy's window or widen its bucket)",
-                        orjson.dumps(event.value),
-                        event.message,
-                    )
-                    continue
-                table[rec.key] = value
-            metrics.OUTCOMES.labels(outcome=change.outcome).inc()
-            await materializer.write(rec.key, state, change, rec.spec)
-            if rec.broker_ms:
-                metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
-            # Alerts leave only after the state change is in the table and in Redis.
-            for alert in due:
-                metrics.ALERTS.labels(kind=alert.kind).inc()
-                await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
+            msg = event.message
+            for back in await skipped(account_positions, msg.topic, msg.partition, msg.offset):
+                # Table writes go to the current event's changelog partition: the same one.
+                await account_one(orjson.loads(back.value or b"{}"), back)
+            await account_one(event.value, msg)
 
     return app
+
+
+class DriftCycle:
+    """Walks every key of the table, a few per tick, and times each full pass."""
+
+    def __init__(self) -> None:
+        self._keys: Iterator[str] | None = None
+        self._started = time.monotonic()
+
+    def next_keys(self, table: Any, budget: int) -> list[str]:
+        """Up to ``budget`` keys after the ones already visited in this cycle."""
+        if self._keys is None:
+            self._keys, self._started = iter(list(table.keys())), time.monotonic()
+        out = list(itertools.islice(self._keys, budget))
+        if len(out) < budget:
+            metrics.DRIFT_CYCLE.set(time.monotonic() - self._started)
+            metrics.DRIFT_CYCLE_END.set(time.time())
+            self._keys = None
+        return out
+
+
+def windows_live(state: KeyState, now_ms: int) -> bool:
+    """Whether any bucket of ``state`` still counts in its window at ``now_ms``."""
+    first = now_ms - state.window_ms - state.bucket_ms
+    return any(start >= first for start in state.buckets)
 
 
 def horizon_ms(settings: WorkerSettings, policies: Iterable[Policy]) -> int:

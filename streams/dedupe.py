@@ -104,6 +104,9 @@ class IdStore:
         self._buffers = WriteBufferManager(max(1 << 20, memory_bytes // 2), False)
         self._write_buffer = max(1 << 20, memory_bytes // 16)
         self._opts = self._options()
+        # A slice that stays in memory keeps every log file since its first write alive;
+        # bound the log so RocksDB flushes such slices instead of growing the log.
+        self._opts.set_max_total_wal_size(max(4 << 20, memory_bytes // 4))
         existing = (
             Rdict.list_cf(str(self.path), self._opts) if (self.path / "CURRENT").exists() else []
         )
@@ -280,10 +283,15 @@ class IdStore:
         return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
 
     def flush(self) -> None:
-        """Write the memtables to disk (for measurements; RocksDB's WAL already persists)."""
+        """Write the memtables to disk (for measurements; RocksDB's WAL already persists).
+
+        Every column family is flushed, ``meta`` included: a log file is kept while any
+        family still holds an unflushed write from it.
+        """
+        self.save()
         for name, cf in self._cfs.items():
+            cf.flush()
             if name != _META_CF:
-                cf.flush()
                 cf.compact_range(None, None)
         self._db.flush()
 

@@ -117,6 +117,13 @@ class KeyState:
     #: Source partition -> offset of the last record applied (redelivery by position).
     offsets: dict[int, int] = field(default_factory=dict)
 
+    @property
+    def version(self) -> int:
+        """How many records this state has applied, as far as positions tell: the sum of
+        ``offsets + 1`` over source partitions. It grows with every record applied, so a
+        window written with a higher version is newer."""
+        return sum(offset + 1 for offset in self.offsets.values())
+
     def to_bytes(self) -> bytes:
         """Serialize for the table (format version 2, see the module docstring)."""
         body = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""

@@ -14,6 +14,7 @@ from schemas.redis_keys import (
     policies_key,
     policies_version_key,
     window_key,
+    window_version_key,
 )
 from schemas.windows import WindowSpec
 from streams.ledger import Change, KeyState
@@ -24,17 +25,20 @@ from streams.ledger import Change, KeyState
 # KEYS[1] the window (string, schemas.window_codec layout)
 # KEYS[2] the pending window (hash: a bucket's last ms -> amount pending there)
 # KEYS[3] the pending reservations (hash: reservation id -> "field:amount")
+# KEYS[4] the window's version
 # ARGV[1] the window's new value, or "" to leave it as it is
 # ARGV[2] the window's PX (ms)
-# ARGV[3..] reservation ids whose reserve the window now holds (or never will: a late or
+# ARGV[3] the window's version, or "" for none
+# ARGV[4..] reservation ids whose reserve the window now holds (or never will: a late or
 #           settled reserve)
 # Returns the pending amount moved out.
 # A reservation with no record was never pending here, or its record went with its
 # bucket's age; either way nothing of it counts in the pending window any more.
 ABSORB = r"""
 if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[2]) end
 local moved = 0
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local record = redis.call('HGET', KEYS[3], ARGV[i])
   if record then
     redis.call('HDEL', KEYS[3], ARGV[i])
@@ -53,6 +57,20 @@ end
 return moved
 """
 
+# Heal one window that differs from the worker's table, unless a newer one was written.
+#
+# KEYS[1] the window               KEYS[2] the window's version
+# ARGV[1] the window as the table holds it   ARGV[2] PX (ms)   ARGV[3] its version
+# Returns 1 when the window was rewritten, 0 when it matched or Redis holds a newer one.
+HEAL = r"""
+local have = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if have > tonumber(ARGV[3]) then return 0 end
+if have == tonumber(ARGV[3]) and redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+return 1
+"""
+
 
 class RedisMaterializer:
     """Applies each state change to Redis in one atomic step."""
@@ -61,11 +79,13 @@ class RedisMaterializer:
         self.client = client
         self.prefix = prefix
         self._absorb = client.register_script(ABSORB)
+        self._heal = client.register_script(HEAL)
 
     async def write(self, key: str, state: KeyState, change: Change, spec: WindowSpec) -> None:
         """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step.
 
-        The window is stored as the compact codec value the admission script decodes.
+        The window is stored as the compact codec value the admission script decodes,
+        with its version (:meth:`KeyState.version`) beside it.
         """
         if not (change.buckets_changed or change.absorbed):
             return
@@ -73,10 +93,28 @@ class RedisMaterializer:
             window_codec.encode(state.buckets, spec.bucket_ms) if change.buckets_changed else None
         )
         absorbed = (change.absorbed,) if change.absorbed else ()
-        await self.absorb(key, value, spec, absorbed)
+        await self.absorb(key, value, spec, absorbed, version=state.version)
+
+    async def heal(self, key: str, state: KeyState) -> bool:
+        """Rewrite ``key``'s window from ``state`` if Redis differs and holds nothing newer.
+
+        Returns:
+            Whether the window was rewritten (drift found and healed).
+        """
+        if not (state.bucket_ms and state.window_ms):
+            return False
+        keys = [window_key(self.prefix, key), window_version_key(self.prefix, key)]
+        value = window_codec.encode(state.buckets, state.bucket_ms)
+        args: list[bytes | int] = [value, 2 * state.window_ms, state.version]
+        return bool(await self._heal(keys=keys, args=args))
 
     async def absorb(
-        self, key: str, window: bytes | None, spec: WindowSpec, reservation_ids: Iterable[str]
+        self,
+        key: str,
+        window: bytes | None,
+        spec: WindowSpec,
+        reservation_ids: Iterable[str],
+        version: int | None = None,
     ) -> int:
         """Write ``key``'s window and take reservations out of its pending window, atomically.
 
@@ -86,33 +124,43 @@ class RedisMaterializer:
             spec: the policy's window (the stored value's expiry).
             reservation_ids: reservations whose reserve the window now accounts for (or
                 never will: late or already settled); their pending amounts leave.
+            version: the window's version, written beside it (None: not written).
 
         Returns:
             The pending amount moved out.
         """
         rids = list(reservation_ids)
+        # Idle longer than this, every bucket has aged out of the window.
+        px = 2 * spec.window_ms
         if not rids:
             if window is not None:
-                # Idle longer than this, every bucket has aged out of the window.
-                await self.client.set(window_key(self.prefix, key), window, px=2 * spec.window_ms)
+                async with self.client.pipeline(transaction=True) as pipe:
+                    pipe.set(window_key(self.prefix, key), window, px=px)
+                    if version is not None:
+                        pipe.set(window_version_key(self.prefix, key), version, px=px)
+                    await pipe.execute()
             return 0
         keys = [
             window_key(self.prefix, key),
             pending_window_key(self.prefix, key),
             pending_reservations_key(self.prefix, key),
+            window_version_key(self.prefix, key),
         ]
-        args: list[bytes | str | int] = [window or b"", 2 * spec.window_ms, *rids]
+        args: list[bytes | str | int] = [
+            window or b"",
+            px,
+            "" if version is None else version,
+            *rids,
+        ]
         return int(await self._absorb(keys=keys, args=args))
 
     async def restore(self, key: str, state: KeyState) -> None:
-        """Rewrite one key's window from its table state (after Redis lost its data)."""
-        if not (state.bucket_ms and state.window_ms):
-            return
-        await self.client.set(
-            window_key(self.prefix, key),
-            window_codec.encode(state.buckets, state.bucket_ms),
-            px=2 * state.window_ms,
-        )
+        """Rewrite one key's window from its table state (after Redis lost its data).
+
+        A compare-and-set like :meth:`heal`: records applied while the restore runs write
+        newer versions, which the restore never overwrites with its older snapshot.
+        """
+        await self.heal(key, state)
 
     async def write_policies(self, policies: Iterable[Policy]) -> None:
         """Replace the policies hash with ``policies``."""

@@ -48,3 +48,20 @@ RETENTION_SHORT = Gauge(
     "spendgate_usage_retention_short",
     "1 when a policy in force needs more retention on usage than the topic has.",
 )
+DRIFT_KEYS = Counter(
+    "spendgate_drift_keys_total",
+    "Budget windows found different in Redis from the worker's table, and healed.",
+)
+DRIFT_CYCLE = Gauge(
+    "spendgate_drift_last_cycle_seconds",
+    "How long the last full drift cycle (every key this worker owns) took.",
+)
+DRIFT_CYCLE_END = Gauge(
+    "spendgate_drift_last_cycle_end_timestamp_seconds",
+    "When the last full drift cycle ended (Unix time).",
+)
+REFILLED = Counter(
+    "spendgate_skipped_records_refilled_total",
+    "Records the stream skipped (a hole in a partition's offsets), read back and handled.",
+    ["topic"],
+)

@@ -186,6 +186,7 @@ async def replay(
                 window_codec.encode(state.buckets, spec.bucket_ms),
                 spec,
                 sorted(rebuilt.absorbed.get(key, ())),
+                version=state.version,
             )
         if not verify:
             await materializer.write_policies(policies.values())

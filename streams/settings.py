@@ -37,6 +37,9 @@ class WorkerSettings(BaseSettings):
     dedupe_memory_mb: int = Field(64, ge=4, le=65_536)
     #: Kept on ``usage`` beyond the longest window plus the dedupe horizon.
     retention_margin: Duration = "1d"
+    #: Drift check: budget windows compared with Redis (and healed) per second; every key
+    #: this worker owns is visited once per cycle. 0 turns it off.
+    drift_keys_per_s: int = Field(200, ge=0, le=100_000)
     #: Largest table value (one key's state) the worker writes; a record that would make
     #: a key's state larger is dead-lettered instead (the changelog's message limit is
     #: 1,000,000 bytes).

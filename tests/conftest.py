@@ -1,10 +1,21 @@
-"""Test configuration: fixture plugins and hypothesis profiles."""
+"""Test configuration: fixture plugins, hypothesis profiles and the per-run seed.
+
+Every random input varies from run to run (CI included) and derives from one seed,
+``tests.fixtures.seeds.RUN_SEED``: printed in the header and beside each failure, and set
+with ``SPENDGATE_TEST_SEED=<n>`` to reproduce a run. Hypothesis gets the same seed through
+its global seed (what ``--hypothesis-seed`` sets), so its examples reproduce too.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import core as hypothesis_core
+
+from tests.fixtures.seeds import RUN_SEED, reproduce_hint
 
 pytest_plugins = [
     "tests.fixtures.services",
@@ -14,8 +25,45 @@ pytest_plugins = [
     "tests.fixtures.embedded_lua",
 ]
 
-settings.register_profile("dev", max_examples=200, deadline=None)
-settings.register_profile(
-    "ci", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+IN_CI = os.environ.get("CI") == "true"
+#: Examples per property: 2,000 in CI, fewer locally.
+CI_EXAMPLES = 2000
+DEV_EXAMPLES = 200
+
+# Both profiles name their parent and set derandomize explicitly: a profile registered
+# without a parent inherits whatever is loaded, and under CI=true that is Hypothesis's
+# built-in "ci" profile with derandomize=True (the same examples on every run).
+_common = settings(
+    parent=settings.get_profile("default"),
+    derandomize=False,
+    deadline=None,
+    print_blob=True,
 )
-settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
+settings.register_profile("spendgate-dev", _common, max_examples=DEV_EXAMPLES)
+settings.register_profile(
+    "spendgate-ci",
+    _common,
+    max_examples=CI_EXAMPLES,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("spendgate-ci" if IN_CI else "spendgate-dev")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # --hypothesis-seed on the command line wins; else every property runs on this run's
+    # seed (hypothesis draws its own per test from it, reproducible by SPENDGATE_TEST_SEED).
+    if config.getoption("hypothesis_seed", default=None) is None:
+        hypothesis_core.global_force_seed = RUN_SEED
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"spendgate: {reproduce_hint()}"]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report: pytest.TestReport = yield
+    if report.failed:
+        report.sections.append(("spendgate seed", reproduce_hint()))
+    return report

@@ -1,5 +1,8 @@
 """Smoke runs of the benchmarks: each runs in its tiny ``--smoke`` mode and prints its
-figures beside its baseline. Benchmarks are not tests: no performance target is asserted."""
+figures beside its baseline. Performance targets are not asserted here (a smoke run is too
+small to measure them; ``--check`` on a full run does), except overshoot's, which is a
+correctness target: 0 units over the limit, read from the "units over limit" column of
+every spendgate row, under ``--check``."""
 
 from __future__ import annotations
 
@@ -14,17 +17,15 @@ from tests.fixtures.services import Services
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.integration
 
-
-def _run(module: str, services: Services, timeout_s: float = 60.0) -> str:
+def _run(module: str, services: Services, timeout_s: float = 60.0, *extra: str) -> str:
     env = {
         **os.environ,
         "SPENDGATE_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
         "SPENDGATE_REDIS_URL": services.redis_url,
     }
     done = subprocess.run(
-        [sys.executable, "-m", module, "--smoke"],
+        [sys.executable, "-m", module, "--smoke", *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -36,6 +37,38 @@ def _run(module: str, services: Services, timeout_s: float = 60.0) -> str:
     return done.stdout
 
 
+def _table(out: str) -> list[dict[str, str]]:
+    """The rows of the first table ``bench._common.print_table`` printed, by header."""
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    headers = [h.strip() for h in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(headers, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[1:]
+    ]
+
+
+class TestCheckMode:
+    def test_a_missed_target_makes_check_exit_non_zero(self) -> None:
+        from bench import _common as c
+
+        c.MISSED.clear()
+        assert c.verdict(True, "met") == "MET"
+        assert c.exit_status(True) == 0
+        assert c.verdict(False, "missed") == "NOT MET"
+        assert c.exit_status(False) == 0  # without --check a run only reports
+        assert c.exit_status(True) == 1
+        c.MISSED.clear()
+
+    @pytest.mark.parametrize("module", ["admission", "processor", "replay", "memory", "overshoot"])
+    def test_every_benchmark_takes_check(self, module: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", f"bench.{module}", "--help"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and "--check" in done.stdout
+
+
+@pytest.mark.integration
 class TestBenchSmoke:
     def test_admission(self, services: Services) -> None:
         out = _run("bench.admission", services)
@@ -45,10 +78,17 @@ class TestBenchSmoke:
         assert "targets:" in out
 
     def test_overshoot(self, services: Services) -> None:
-        out = _run("bench.overshoot", services)
-        assert "| exact    | 0     | spendgate " in out
-        assert "fixed-window (baseline)" in out
-        assert "units over the limit" in out
+        out = _run("bench.overshoot", services, 60.0, "--check")  # exits 1 on a miss
+        rows = _table(out)
+        spendgate = [r for r in rows if r["limiter"] == "spendgate"]
+        baseline = [r for r in rows if r["limiter"] == "fixed-window (baseline)"]
+        assert {r["scenario"] for r in spendgate} == {"exact", "variable"}
+        assert len(baseline) == len(spendgate)
+        for row in spendgate:
+            assert row["units over limit"] == "0", row
+            assert row["errors"] == "0", row
+            assert int(row["admitted"].replace(",", "")) > 0, row
+        assert "units over the limit, worst trial = 0 (target 0: MET)" in out
 
     def test_memory(self, services: Services) -> None:
         out = _run("bench.memory", services)

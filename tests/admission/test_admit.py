@@ -365,3 +365,16 @@ class TestBadInput:
             "spendgate_admission_store_failures_total",
         ):
             assert name in text
+
+
+class TestHeaders:
+    async def test_a_model_outside_latin_1_is_percent_encoded_in_the_header(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        # Found by the schemathesis fuzz once it varied per run: a 500 from the header.
+        adm = await make_admission()
+        await adm.policies(policy_factory(unit="input_tokens", limit=10_000))
+        answer = await adm.admit("u", subject={"tenant": "u", "model": "坙-m1"}, input_tokens=5)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "坙-m1"
+        assert answer.headers["Spendgate-Model"] == "%E5%9D%99-m1"

@@ -1,8 +1,11 @@
-"""The Lua window engine against the Python engine, run in a real Redis and embedded.
+"""The Lua window engine, against the Python engine and a brute force, in a real Redis and
+embedded.
 
-Every test that runs Lua takes ``lua_server``: once on the real Redis (``integration``)
-and once embedded (fakeredis + lupa, see ``tests/fixtures/embedded_lua.py``), so the
-fast test run covers the differential tests without a Redis server.
+The twin comparison (Lua == Python) proves the two agree; the brute-force comparison
+(``tests/schemas/reference.py``, which imports neither engine) proves what they agree on
+is the documented window semantics. Every test that runs Lua takes ``lua_server``: once on
+the real Redis (``integration``) and once embedded (fakeredis + lupa, see
+``tests/fixtures/embedded_lua.py``), so the fast test run covers them without a server.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ from schemas.windows import (
     total,
 )
 from tests.fixtures.embedded_lua import STRUCT_SHIM, LuaServer
+from tests.fixtures.seeds import derive, rng
+from tests.schemas import reference
 
-SEED = 20_240_611
+#: This run's seed for the random cases (from SPENDGATE_TEST_SEED when set).
+SEED = derive("test_window_lua")
 CASES = 4_000
 BATCH = 500
 
@@ -194,7 +200,7 @@ class TestWindowLuaLib:
     def test_a_changed_bucket_width_is_rebucketed_like_the_worker(
         self, lua_server: LuaServer, new_bucket_ms: int
     ) -> None:
-        rng = random.Random(new_bucket_ms)
+        rng = random.Random(SEED + new_bucket_ms)
         t_ms = 1_700_000_000_000 + rng.randrange(60_000)
         old: Buckets = {}
         for _ in range(40):
@@ -256,6 +262,90 @@ class TestExactArithmetic:
             got = script(keys=[], args=[value for triple in chunk for value in triple])
             expected = [-((-x * k) // b) for x, k, b in chunk]
             assert got == expected
+
+
+@dataclass(frozen=True)
+class RawCase:
+    """A query on raw events: the brute force sees the events, Lua their encoded buckets."""
+
+    window_ms: int
+    bucket_ms: int
+    boundary: str
+    events: list[tuple[int, int]]
+    t_ms: int
+    limit: int
+    extra: int
+    amount: int
+
+    @property
+    def buckets(self) -> dict[int, int]:
+        return reference.buckets_of(self.bucket_ms, self.events)
+
+    def total_at(self, at_ms: int) -> int:
+        return reference.reference_total(
+            self.window_ms, self.bucket_ms, self.boundary, self.events, at_ms
+        )
+
+    def fits(self, at_ms: int) -> bool:
+        return self.total_at(at_ms) + self.extra + self.amount <= self.limit
+
+
+def raw_case(rand: random.Random) -> RawCase:
+    """Small windows, signed or not, queries on bucket edges, limits that fit only later."""
+    bucket_ms = rand.randint(1, 5) * 1000
+    window_ms = rand.randint(1, 20) * bucket_ms
+    origin = rand.choice([0, rand.randrange(0, 2**42)])
+    span_ms = 3 * window_ms
+    signed = rand.random() < 0.5
+    events = [
+        (origin + rand.randint(0, span_ms), rand.randint(-1000 if signed else 0, 1000))
+        for _ in range(rand.randint(0, 25))
+    ]
+    t_ms = max(0, origin + rand.randint(-bucket_ms, span_ms + window_ms + 2 * bucket_ms))
+    if rand.random() < 0.4:
+        t_ms = max(0, t_ms - t_ms % bucket_ms + rand.choice([-1, 0, 1]))
+    boundary = rand.choice(BOUNDARIES)
+    amount, extra = rand.randint(0, 1000), rand.randint(0, 500)
+    now = reference.reference_total(window_ms, bucket_ms, boundary, events, t_ms)
+    if rand.random() < 0.3:
+        limit = rand.randint(0, 4000)
+    else:
+        limit = max(0, now + extra + amount - rand.randint(1, max(1, abs(now))))
+    return RawCase(window_ms, bucket_ms, boundary, events, t_ms, limit, extra, amount)
+
+
+class TestLuaMatchesBruteForce:
+    def test_totals_and_retry_after_follow_the_documented_semantics(
+        self, lua_server: LuaServer
+    ) -> None:
+        rand = rng("test_window_lua.brute_force")
+        cases = [raw_case(rand) for _ in range(1_500)]
+        script = lua_server.script(WINDOW_CHECK_SCRIPT)
+        answers: list[list[int]] = []
+        for first in range(0, len(cases), BATCH):
+            pipe = lua_server.client.pipeline(transaction=False)
+            for index, case in enumerate(cases[first : first + BATCH], start=first):
+                key = f"{lua_server.prefix}bf{index}"
+                pipe.set(key, encode(case.buckets, case.bucket_ms))
+                argv = [case.t_ms, case.window_ms, case.bucket_ms, case.boundary]
+                script(keys=[key], args=[*argv, case.limit, case.extra, case.amount], client=pipe)
+            answers.extend(pipe.execute()[1::2])
+        for case, (lua_total, fits_at, never_fits, *_pending) in zip(cases, answers, strict=True):
+            assert lua_total == case.total_at(case.t_ms), case
+            if case.amount > case.limit:
+                assert never_fits == 1 and fits_at == -1, case
+                continue
+            assert never_fits == 0, case
+            if fits_at == -1:  # never, assuming no new usage: no period end fits either
+                newest = max((o for o, _ in case.events), default=case.t_ms)
+                horizon = max(case.t_ms, newest + case.window_ms + case.bucket_ms)
+                ends = reference.period_ends(case.bucket_ms, case.t_ms, horizon)
+                assert not any(case.fits(at) for at in ends), case
+                continue
+            assert fits_at >= case.t_ms and case.fits(fits_at), case
+            if fits_at > case.t_ms:  # the earliest such instant
+                ends = reference.period_ends(case.bucket_ms, case.t_ms, fits_at - 1)
+                assert not any(case.fits(at) for at in ends), case
 
 
 class TestLuaMatchesPython:

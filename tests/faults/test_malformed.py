@@ -8,10 +8,9 @@ usage topic changes.
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import hashlib
 import json
-import random
 import time
 import uuid
 from collections import Counter
@@ -22,8 +21,7 @@ import httpx
 import pytest
 import redis
 
-from schemas.deadletter import DeadLetter
-from schemas.windows import WindowSpec
+from schemas.deadletter import MAX_ORIGINAL_BYTES, DeadLetter
 from streams.replay import replay
 from streams.settings import WorkerSettings
 from tests.faults.conftest import (
@@ -35,9 +33,11 @@ from tests.faults.conftest import (
     snapshot,
     write_policies,
 )
+from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, produce
 from tests.fixtures.pipeline import ApplyPolicies, Workers
+from tests.fixtures.seeds import rng as seeded
 from tests.fixtures.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -63,7 +63,7 @@ def _event(tenant: str, amount: Any, occurred: Any, **extra: Any) -> dict[str, A
 
 def _malformed_records(now_ms: int) -> list[tuple[str, bytes]]:
     """(what, raw value) pairs that are not valid usage events."""
-    rng = random.Random(5)
+    rng = seeded("malformed.topic.random_bytes")
     ok = _event("bad", 5, _iso(now_ms))
 
     def with_(**changes: Any) -> bytes:
@@ -142,15 +142,14 @@ class TestMalformedTopic:
         policy = policy_factory(
             unit="input_tokens", limit=10**12, window="1h", bucket="1m", group_by=["tenant"]
         )
-        spec = WindowSpec(policy.window_ms, policy.bucket_ms)
         now_ms = int(time.time() * 1000)
-        rng = random.Random(55)
+        rng = seeded("malformed.topic.valid")
         expected: dict[str, dict[int, int]] = {}
 
         def valid(tenant: str, amount: int, occurred_ms: int) -> tuple[bytes, bytes]:
             key = f"{policy.id}|tenant={tenant}"
             buckets = expected.setdefault(key, {})
-            bucket = spec.bucket_of(occurred_ms)
+            bucket = occurred_ms - occurred_ms % policy.bucket_ms  # aligned to the epoch
             buckets[bucket] = buckets.get(bucket, 0) + amount
             body = _event(tenant, amount, _iso(occurred_ms))
             return tenant.encode(), json.dumps(body).encode()
@@ -192,21 +191,19 @@ class TestMalformedTopic:
         dlq_topic = worker_settings.topic("dlq")
         letters: list[DeadLetter] = []
 
-        async def dead_letters(timeout_s: float = 0.0) -> list[DeadLetter]:
-            raw = await read_topic(bootstrap, dlq_topic, len(malformed), timeout_s)
-            return [DeadLetter.model_validate_json(v) for v in raw]
-
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            letters = await dead_letters()
-            if len(letters) >= len(malformed) and compare(redis_sync, prefix, expected).exact:
-                break
-            await asyncio.sleep(0.5)
-        await asyncio.sleep(2)
-        letters = await dead_letters(timeout_s=20)
+        # Every record read and acknowledged by the worker (the valid ones after the
+        # malformed ones included), then the dead letters and the windows.
+        await wait_consumed(bootstrap, worker_settings.app_id, topic, timeout_s=240)
+        raw_letters = await read_topic(bootstrap, dlq_topic, len(malformed), 60)
+        letters = [DeadLetter.model_validate_json(v) for v in raw_letters]
+        await eventually(
+            lambda: compare(redis_sync, prefix, expected).exact,
+            timeout_s=60,
+            what="valid windows equal to the ledger",
+        )
         final = compare(redis_sync, prefix, expected)
         by_raw = {base64.b64encode(raw).decode(): what for what, raw in malformed}
-        lettered = {by_raw[d.original_b64] for d in letters if d.original_b64 in by_raw}
+        lettered = [by_raw[d.original_b64] for d in letters if d.original_b64 in by_raw]
         missing = [what for what, _ in malformed if what not in lettered]
         future = sum(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=future").values())
         fault_record.add(
@@ -221,9 +218,15 @@ class TestMalformedTopic:
             far_future_event_counted_units=future,
         )
         assert not missing
+        # One letter per malformed record, each carrying its exact bytes, and no other.
+        assert sorted(lettered) == sorted(what for what, _ in malformed)
         assert len(letters) == len(malformed)
         assert all(d.reason and d.topic == topic and d.offset is not None for d in letters)
-        assert final.exact  # ancient events changed nothing; all valid ones counted once
+        assert all(not d.truncated and d.original_size in (0, len(d.raw)) for d in letters)
+        # ancient events changed nothing; all valid ones counted once
+        assert final.units_expected == sum(sum(b.values()) for b in expected.values())
+        assert (final.units_lost, final.units_double_counted) == (0, 0)
+        assert final.exact
         assert future == 40
         bucket = max(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=future"))
         assert abs(bucket - now_ms) < 10 * 60_000, "far-future event not clamped to broker time"
@@ -240,22 +243,40 @@ class TestMalformedTopic:
         workers.start()
         await apply_policies(policy)
         topic, bootstrap = worker_settings.topic("usage"), worker_settings.kafka_bootstrap
-        raw = json.dumps(_event("big", 5, _iso(int(time.time() * 1000)), event_id="x" * 600_000))
-        await produce(bootstrap, topic, [(b"big", raw.encode())])
+        raw = json.dumps(
+            _event("big", 5, _iso(int(time.time() * 1000)), event_id="x" * 600_000)
+        ).encode()
+        await produce(bootstrap, topic, [(b"big", raw)])
         fault_record.inputs.append("topic: a 600 kB record (event_id of 600,000 characters)")
         fault_record.fault("one oversized record (under the broker's 1 MB limit)")
         dlq = worker_settings.topic("dlq")
-        found = False
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and not found:
-            found = bool(await read_topic(bootstrap, dlq, 1, 1.0))
-            await asyncio.sleep(0.5)
+        await wait_consumed(bootstrap, worker_settings.app_id, topic, timeout_s=120)
+        values = await read_topic(bootstrap, dlq, 1, 60)
+        letters = [DeadLetter.model_validate_json(v) for v in values]
         log = (workers.logs / "worker-w1.log").read_text(errors="replace")
+        crashed = "Crashed reason=ProducerSendError" in log
+        letter = letters[0] if letters else None
         fault_record.add(
-            dead_lettered=int(found),
-            split_agent_crashed="Crashed reason=ProducerSendError" in log,
+            dead_lettered=len(letters),
+            record_bytes=len(raw),
+            letter_bytes=max((len(v) for v in values), default=0),
+            letter_original_bytes=len(letter.raw) if letter else None,
+            letter_original_size=letter.original_size if letter else None,
+            letter_sha256_matches=bool(letter)
+            and letter.original_sha256 == hashlib.sha256(raw).hexdigest(),
+            letter_truncated=letter.truncated if letter else None,
+            split_agent_crashed=crashed,
         )
-        assert found
+        assert len(letters) == 1 and letter is not None
+        # Capped at the first 64 KiB, with the whole record's size and SHA-256.
+        assert letter.truncated
+        assert letter.raw == raw[:MAX_ORIGINAL_BYTES]
+        assert MAX_ORIGINAL_BYTES == 64 * 1024
+        assert letter.original_size == len(raw)
+        assert letter.original_sha256 == hashlib.sha256(raw).hexdigest()
+        assert letter.topic == topic and letter.offset is not None and letter.reason
+        assert max(len(v) for v in values) < 1_000_000  # fits a default Kafka record
+        assert not crashed
 
     async def test_a_pre_epoch_timestamp_neither_crashes_the_worker_nor_the_replay(
         self,
@@ -281,11 +302,13 @@ class TestMalformedTopic:
         fault_record.fault("one pre-epoch event on a fresh budget key, then one valid event")
         key = f"{policy.id}|tenant=after"
         prefix = worker_settings.redis_prefix
-        await eventually(
-            lambda: sum(read_buckets(redis_sync, prefix, key).values()) == 7,
-            timeout_s=60,
-            what="the event after the pre-epoch one counted",
-        )
+        await wait_consumed(bootstrap, worker_settings.app_id, topic, timeout_s=120)
+        counted_after = sum(read_buckets(redis_sync, prefix, key).values())
+        fresh = sum(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=fresh").values())
+        letters = [
+            DeadLetter.model_validate_json(v)
+            for v in await read_topic(bootstrap, worker_settings.topic("dlq"), 1, 60)
+        ]
         workers.stop_all()
         log = (workers.logs / "worker-w1.log").read_text(errors="replace")
         crashed = "Crashed reason=ValueError('bucket start -" in log
@@ -295,10 +318,15 @@ class TestMalformedTopic:
         except ValueError as exc:
             replay_error = str(exc)
         fault_record.add(
-            processing_continued=True,
+            processing_continued=counted_after == 7,
+            pre_epoch_dead_lettered=[d.raw == poison for d in letters].count(True),
+            pre_epoch_units_counted=fresh,
             account_agent_crashed=crashed,
             replay_error=replay_error,
         )
+        assert counted_after == 7  # the record after it was processed
+        assert [d.raw for d in letters] == [poison]  # refused, with its exact bytes
+        assert fresh == 0
         assert not crashed
         assert replay_error is None
 
@@ -334,7 +362,7 @@ async def _chunks() -> Any:
 
 def _http_cases() -> list[tuple[str, str, str, dict[str, Any]]]:
     """(what, method, path, httpx request kwargs)."""
-    rng = random.Random(6)
+    rng = seeded("malformed.http.random_bytes")
     j = {"content-type": "application/json"}
     cases: list[tuple[str, str, str, dict[str, Any]]] = [
         (f"random bytes #{i}", "POST", "/v1/admit",
@@ -444,8 +472,7 @@ class TestMalformedHttp:
         async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
             first = await http.post("/v1/admit", json=_body())
             assert first.status_code == 200, first.text
-            await asyncio.sleep(1)
-            before = snapshot(redis_sync, key_prefix)
+            before = snapshot(redis_sync, key_prefix)  # the script wrote before answering
             for what, method, path, kwargs in cases:
                 fault_record.inputs.append(f"HTTP {method} {path}: {what}")
                 try:
@@ -466,10 +493,17 @@ class TestMalformedHttp:
                 k for k in set(before) & set(after) if before[k] != after[k]
             )
             still = await http.post("/v1/admit", json=_body())
-            await asyncio.sleep(2)
-        published = await read_topic(services.kafka_bootstrap, f"{topic_prefix}usage", 2)
-        await asyncio.sleep(1)
-        published = await read_topic(services.kafka_bootstrap, f"{topic_prefix}usage", 2)
+            assert still.status_code == 200, still.text
+        # The last valid admit's reserve event is published after everything the malformed
+        # requests could have published (one FIFO publisher, one tenant, one partition):
+        # once it is on the topic, anything else would be there too.
+        last_rid = still.json()["reservation_id"]
+        usage_topic = f"{topic_prefix}usage"
+        deadline = time.monotonic() + 60
+        published = await read_topic(services.kafka_bootstrap, usage_topic, 2)
+        while not any(last_rid in v.decode() for v in published):
+            assert time.monotonic() < deadline, "the last admit's reserve never published"
+            published = await read_topic(services.kafka_bootstrap, usage_topic, 2)
         fault_record.add(
             requests_sent=len(cases),
             answers_by_status=dict(sorted(statuses.items())),

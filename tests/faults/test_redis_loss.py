@@ -5,11 +5,23 @@ admit, degraded: at most the allowance per process); afterwards ``spendgate repl
 (``streams.replay.replay``) rebuilds windows equal to the exact ledger: everything
 before the outage, everything produced during it, and every reservation admitted
 without Redis.
+
+After Redis comes back empty (restart without persistence, or FLUSHDB), the probes use
+an estimate that *fits an empty window* but not the real one (900 of 1,000 used, 200
+asked): a decision on the wiped window admits it, so an over-admit fails the test. While
+the worker has not rewritten the windows, the only honest answers are 503 (closed: the
+state cannot be vouched for) or 429 (the window is known again); 200 is the defect
+(issue 16 defect 2). After a restart admission answers 503 today (its connections fail
+and it re-reads the policies first); after a FLUSHDB it admits on the wiped window, so
+that test is xfail-strict until the defect is fixed. Once the worker's marker check has
+rewritten the windows, exactly 429 for 200 and 200 for the 100 that still fit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 import uuid
 from collections import Counter
@@ -30,10 +42,11 @@ from tests.faults.conftest import (
     FaultRecord,
     all_windows,
     compare,
+    read_buckets,
 )
 from tests.fixtures.admission import OwnRedis
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import eventually, produce
+from tests.fixtures.kafka_io import eventually, pending_sum, produce
 from tests.fixtures.pipeline import Workers
 from tests.fixtures.workload import generate
 
@@ -92,6 +105,48 @@ def own_workers(own_settings: WorkerSettings, tmp_path: Path) -> Iterator[Worker
     factory.stop_all()
 
 
+DEFECT_2 = "issue 16 defect 2: admission decides on a wiped window"
+#: Already charged on the closed policy's key before Redis loses its data (limit 1,000).
+USED = 900
+#: Fits an empty window (200 <= 1,000), not the real one (900 + 200 > 1,000).
+PROBE = 200
+CLOSED_KEY = "mode-closed|tenant=acme"
+
+
+async def _charge_closed(settings: WorkerSettings, client: redis.Redis, amount: int) -> None:
+    """A direct commit of ``amount`` on the closed policy's key, counted by the worker."""
+    body = {
+        "schema_version": 1,
+        "event_id": uuid.uuid4().hex,
+        "kind": "commit",
+        "occurred_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "subject": {"tenant": "acme", "model": "m1", "env": "c"},
+        "usage": {"input_tokens": amount},
+    }
+    await produce(settings.kafka_bootstrap, settings.topic("usage"),
+                  [(b"acme", json.dumps(body).encode())])  # fmt: skip
+    await eventually(
+        lambda: sum(read_buckets(client, settings.redis_prefix, CLOSED_KEY).values()) == amount,
+        timeout_s=120,
+        what=f"{amount} units counted on {CLOSED_KEY}",
+    )
+
+
+async def _ready(http: httpx.AsyncClient) -> bool:
+    return (await http.get("/readyz")).status_code == 200
+
+
+async def _closed_used(http: httpx.AsyncClient) -> int | None:
+    """``used`` of the closed key as admission reports it (GET /v1/budgets), or None."""
+    answer = await http.get("/v1/budgets", params={"tenant": "acme", "model": "m1", "env": "c"})
+    if answer.status_code != 200:
+        return None
+    for item in answer.json().get("budgets", []):
+        if item["key"] == CLOSED_KEY:
+            return int(item["used"])
+    return None
+
+
 class TestRedisLoss:
     async def test_outage_follows_failure_modes_and_replay_rebuilds_the_windows(
         self,
@@ -106,9 +161,11 @@ class TestRedisLoss:
         settings = own_settings
         client = redis.Redis.from_url(own_redis.url)
         policies = _policies(policy_factory)
-        work = generate(policies["workload"], 2000, now_ms=int(time.time() * 1000), seed=303)
+        work = generate(policies["workload"], 2000, now_ms=int(time.time() * 1000),
+                        seed="redis-loss")  # fmt: skip
         half = len(work.records) // 2
         workers = own_workers
+        reserve_before = 20
         try:
             workers.start()
             await _apply(settings, client, *policies.values())
@@ -117,25 +174,23 @@ class TestRedisLoss:
                 redis_url=own_redis.url,
                 topic_prefix=settings.topic_prefix,
                 redis_prefix=settings.redis_prefix,
-                extra_env={"SPENDGATE_REDIS_TIMEOUT_S": "0.25"},
             )
             topic = settings.topic("usage")
             await produce(settings.kafka_bootstrap, topic, work.records[:half])
             async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
                 for env in ("c", "o", "d"):
-                    answer = await _admit(http, env, 20)
+                    answer = await _admit(http, env, reserve_before)
                     assert answer.status_code == 200, answer.text
                 # Before the outage: the three reservations are counted in Redis.
                 await eventually(
                     lambda: all(
                         sum(all_windows(client, settings.redis_prefix).get(
-                            f"mode-{m}|tenant=acme", {}).values()) == 20
+                            f"mode-{m}|tenant=acme", {}).values()) == reserve_before
                         for m in ("closed", "open", "degraded")
                     ),
                     timeout_s=120,
                     what="reservations counted before the outage",
                 )  # fmt: skip
-                snapshot_before = all_windows(client, settings.redis_prefix)
 
                 # The outage, with load going on: the second half of the usage records is
                 # produced and admits keep arriving for every failure mode.
@@ -161,36 +216,30 @@ class TestRedisLoss:
                 )
                 own_redis.start()  # empty: no persistence, as after a crash or a FLUSHALL
                 fault_record.fault("redis-server restarted empty (all windows and policies lost)")
-                await asyncio.sleep(1.5)
-                # What admission does right after Redis returns empty.
-                after_restart = await _admit(http, "c", 5000)  # 5x the closed policy's limit
         finally:
             workers.stop_all()
-        lost_before_replay = compare(client, settings.redis_prefix, work.expected)
         summary = await replay(settings)
         fault_record.fault("workers stopped; `spendgate replay` (streams.replay.replay) run")
         rebuilt = compare(client, settings.redis_prefix, work.expected)
         windows = all_windows(client, settings.redis_prefix)
+        # From what this test was told was admitted: the reservation before the outage
+        # plus every 200 during it (their reserve events were published to the log).
         expected_modes = {
-            m: sum(snapshot_before.get(f"mode-{m}|tenant=acme", {}).values())
-            + admitted_units[e]
-            # The over-limit admit right after the empty restart (see the xfail below).
-            + (5000 if m == "closed" and after_restart.status_code == 200 else 0)
+            m: reserve_before + admitted_units[e]
             for m, e in (("closed", "c"), ("open", "o"), ("degraded", "d"))
         }
         got_modes = {
             m: sum(windows.get(f"mode-{m}|tenant=acme", {}).values())
             for m in ("closed", "open", "degraded")
         }
+        admitted_events = 3 + sum(during[e]["200"] for e in ("c", "o", "d"))
         fault_record.add(
             events_checked=len(work.records) + 3 + 15,
             outage_answers={f"{e} ({m})": dict(during[e]) for e, m in
                             (("c", "closed"), ("o", "open"), ("d", "degraded"))},
             outage_fallback_headers=dict(fallback_headers),
             outage_admitted_units=dict(admitted_units),
-            admit_over_limit_right_after_empty_restart=after_restart.status_code,
-            over_limit_units=4000 if after_restart.status_code == 200 else 0,
-            windows_wrong_before_replay=lost_before_replay.cells_differing,
+            over_limit_units=sum(max(0, v - 1000) for v in got_modes.values()),
             replay_records=summary.records,
             replay_outcomes=summary.outcomes,
             units_expected=rebuilt.units_expected,
@@ -199,51 +248,174 @@ class TestRedisLoss:
             reservation_units_expected=expected_modes,
             reservation_units_rebuilt=got_modes,
         )  # fmt: skip
+        # Redis down: closed never decides (503); open admits every request; degraded
+        # admits up to 10% of 1,000 = 100 per process and window, so three of 30 fit.
         assert during["c"] == Counter({"503": 5})
         assert during["o"] == Counter({"200": 5})
-        # degraded: 10% of 1000 = 100 per process and window: three admits of 30 fit.
         assert during["d"] == Counter({"200": 3, "429": 2})
+        # Fallback answers say so; a closed 503 is an error answer and carries none.
+        assert fallback_headers == Counter({"-": 5, "open": 5, "degraded": 5})
+        assert admitted_units == Counter({"o": 150, "d": 90})
+        # Over the limit: nothing (every key holds at most 20 + 150 of 1,000).
+        assert all(v <= 1000 for v in got_modes.values())
+        # The replay read every record: the workload and one reserve per 200 answer.
+        assert summary.records == len(work.records) + admitted_events
+        assert (
+            summary.outcomes.get("duplicate", 0) + summary.outcomes.get("late_dropped", 0)
+            == work.duplicates + work.ancient
+        )
+        assert rebuilt.units_expected == work.units()
+        assert (rebuilt.units_lost, rebuilt.units_double_counted) == (0, 0)
         assert rebuilt.exact, rebuilt
         assert got_modes == expected_modes
 
-    async def test_after_a_flush_admission_still_enforces(
+    async def test_right_after_an_empty_restart_admission_does_not_decide_on_the_wiped_window(
         self,
         own_redis: OwnRedis,
         own_settings: WorkerSettings,
         own_workers: Workers,
         admission_procs: AdmissionProcs,
         policy_factory: PolicyFactory,
-        tmp_path: Path,
         fault_record: FaultRecord,
     ) -> None:
         settings = own_settings
         client = redis.Redis.from_url(own_redis.url)
-        policy = _policies(policy_factory)["closed"]
-        workers = own_workers
-        answers: Counter[str] = Counter()
-        try:
-            workers.start()
-            await _apply(settings, client, policy)
-            proc = admission_procs.start(
-                kafka_bootstrap=settings.kafka_bootstrap,
-                redis_url=own_redis.url,
-                topic_prefix=settings.topic_prefix,
-                redis_prefix=settings.redis_prefix,
-            )
-            async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
-                assert (await _admit(http, "c", 5000)).status_code == 429  # over the limit
-                client.flushdb()  # this test's private redis-server only
-                fault_record.fault("FLUSHDB on the worker's and admission's (private) Redis")
-                await asyncio.sleep(5)  # ten policy-publish ticks of the worker
-                for _ in range(5):
-                    answer = await _admit(http, "c", 5000)
-                    answers[str(answer.status_code)] += 1
-        finally:
-            workers.stop_all()
-        fault_record.add(
-            events_checked=5,
-            over_limit_admits_after_flush=dict(answers),
-            # The limit is 1000 and nothing else was charged: all beyond it is over.
-            over_limit_units=max(0, 5000 * answers["200"] - 1000),
+        worker = own_workers.start()
+        await _apply(settings, client, _policies(policy_factory)["closed"])
+        proc = admission_procs.start(
+            kafka_bootstrap=settings.kafka_bootstrap,
+            redis_url=own_redis.url,
+            topic_prefix=settings.topic_prefix,
+            redis_prefix=settings.redis_prefix,
         )
-        assert answers["200"] == 0
+        await _charge_closed(settings, client, USED)
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
+            await eventually_async(lambda: _closed_used(http), USED, "admission sees 900 used")
+            # The worker is stalled, so no rewrite can race the probe: what admission
+            # answers here is its own decision on the state Redis holds.
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                own_redis.stop()
+                own_redis.start()  # empty: no persistence
+                fault_record.fault("worker stalled (SIGSTOP); redis-server restarted empty")
+                # Admission reaches Redis again (a refusal while it cannot is no proof).
+                await eventually_async(lambda: _ready(http), True, "admission ready again")
+                answer = await _admit(http, "c", PROBE)
+            finally:
+                worker.send_signal(signal.SIGCONT)
+        fault_record.add(
+            events_checked=1,
+            probe=f"{PROBE} on a limit of 1000 with {USED} used",
+            probe_status=answer.status_code,
+            over_limit_units=USED + PROBE - 1000 if answer.status_code == 200 else 0,
+        )
+        # 503: closed, the wiped state cannot be vouched for; 429: over the limit.
+        assert answer.status_code in (503, 429), answer.text
+
+    @pytest.mark.xfail(strict=True, reason=DEFECT_2)
+    async def test_right_after_a_flush_admission_does_not_decide_on_the_wiped_window(
+        self,
+        own_redis: OwnRedis,
+        own_settings: WorkerSettings,
+        own_workers: Workers,
+        admission_procs: AdmissionProcs,
+        policy_factory: PolicyFactory,
+        fault_record: FaultRecord,
+    ) -> None:
+        settings = own_settings
+        client = redis.Redis.from_url(own_redis.url)
+        worker = own_workers.start()
+        await _apply(settings, client, _policies(policy_factory)["closed"])
+        proc = admission_procs.start(
+            kafka_bootstrap=settings.kafka_bootstrap,
+            redis_url=own_redis.url,
+            topic_prefix=settings.topic_prefix,
+            redis_prefix=settings.redis_prefix,
+        )
+        await _charge_closed(settings, client, USED)
+        answers: Counter[int] = Counter()
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
+            await eventually_async(lambda: _closed_used(http), USED, "admission sees 900 used")
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                client.flushdb()  # this test's private redis-server only
+                fault_record.fault("worker stalled (SIGSTOP); FLUSHDB on the private Redis")
+                for _ in range(3):
+                    answers[(await _admit(http, "c", PROBE)).status_code] += 1
+            finally:
+                worker.send_signal(signal.SIGCONT)
+        fault_record.add(
+            events_checked=3,
+            probe=f"{PROBE} on a limit of 1000 with {USED} used",
+            probe_statuses=dict(answers),
+            over_limit_units=(USED + PROBE * answers[200] - 1000) if answers[200] else 0,
+        )
+        # 503: closed, the wiped state cannot be vouched for; 429: over the limit.
+        assert set(answers) <= {503, 429}, answers
+
+    async def test_after_a_flush_the_worker_rewrites_windows_and_policies(
+        self,
+        own_redis: OwnRedis,
+        own_settings: WorkerSettings,
+        own_workers: Workers,
+        admission_procs: AdmissionProcs,
+        policy_factory: PolicyFactory,
+        fault_record: FaultRecord,
+    ) -> None:
+        settings = own_settings
+        client = redis.Redis.from_url(own_redis.url)
+        own_workers.start()
+        await _apply(settings, client, _policies(policy_factory)["closed"])
+        proc = admission_procs.start(
+            kafka_bootstrap=settings.kafka_bootstrap,
+            redis_url=own_redis.url,
+            topic_prefix=settings.topic_prefix,
+            redis_prefix=settings.redis_prefix,
+        )
+        await _charge_closed(settings, client, USED)
+        before = read_buckets(client, settings.redis_prefix, CLOSED_KEY)
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
+            await eventually_async(lambda: _closed_used(http), USED, "admission sees 900 used")
+            client.flushdb()  # this test's private redis-server only
+            flushed = time.monotonic()
+            fault_record.fault("FLUSHDB on the worker's and admission's (private) Redis")
+            # No admit until the rewrite: the condition is the window itself, back in Redis
+            # from the worker's table, then admission reporting it.
+            await eventually(
+                lambda: (
+                    read_buckets(client, settings.redis_prefix, CLOSED_KEY) == before
+                    and client.hexists(f"{settings.redis_prefix}policies", "mode-closed")
+                ),
+                timeout_s=60,
+                what="windows and policies rewritten by the worker",
+            )
+            rewritten_s = time.monotonic() - flushed
+            await eventually_async(lambda: _closed_used(http), USED, "admission sees 900 again")
+            over = await _admit(http, "c", PROBE)  # 900 + 200 > 1000
+            fits = await _admit(http, "c", 1000 - USED)  # 900 + 100 = 1000: fits exactly
+        fault_record.add(
+            events_checked=2,
+            rewrite_seconds=round(rewritten_s, 1),
+            over_probe_status=over.status_code,
+            fitting_probe_status=fits.status_code,
+            over_limit_units=PROBE if over.status_code == 200 else 0,
+            pending_after=pending_sum(client, settings.redis_prefix, CLOSED_KEY),
+        )
+        assert over.status_code == 429, over.text
+        assert fits.status_code == 200, fits.text
+        assert pending_sum(client, settings.redis_prefix, CLOSED_KEY) == 1000 - USED
+        # The worker checks its marker every 0.5 s; on a loaded 2-core box allow 10 s.
+        assert rewritten_s < 10
+
+
+async def eventually_async(read: Any, want: Any, what: str, timeout_s: float = 60.0) -> None:
+    """Poll the coroutine function ``read`` until it returns ``want``."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        last = await read()
+        if last == want:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not met within {timeout_s}s (last {last!r})")
+        await asyncio.sleep(0.2)

@@ -76,7 +76,7 @@ class TestOpenApiFuzz:
             max_examples=EXAMPLES * len(operations) // 3,
             deadline=None,
             suppress_health_check=list(HealthCheck),
-            derandomize=True,
+            derandomize=False,  # varies per run; the run seed (printed) reproduces it
             database=None,
         )
         def fuzz(case: schemathesis.Case) -> None:

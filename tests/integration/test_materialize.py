@@ -145,3 +145,32 @@ class TestMemory:
         redis_sync.set(key, window_codec.encode(state, minute))
         used = redis_sync.memory_usage(key)
         assert used is not None and used <= limit_bytes, used
+
+
+class TestHealScript:
+    async def test_a_heal_never_overwrites_a_newer_window(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        from streams.ledger import KeyState
+
+        client, prefix = redis_client, key_prefix
+        materializer = RedisMaterializer(client, prefix)
+        spec = WindowSpec(3_600_000, 60_000)
+        newer = KeyState(buckets={60_000: 7}, bucket_ms=60_000, window_ms=3_600_000)
+        newer.offsets = {0: 9}  # version 10
+        older = KeyState(buckets={60_000: 3}, bucket_ms=60_000, window_ms=3_600_000)
+        older.offsets = {0: 4}  # version 5
+        try:
+            await materializer.absorb(
+                "k", window_codec.encode(newer.buckets, 60_000), spec, [], version=newer.version
+            )
+            assert not await materializer.heal("k", older)  # Redis holds a newer window
+            assert not await materializer.heal("k", newer)  # equal: nothing to do
+            await client.set(window_key(prefix, "k"), window_codec.encode({60_000: 99}, 60_000))
+            assert await materializer.heal("k", newer)  # same version, altered bytes
+            raw = await client.get(window_key(prefix, "k"))
+            assert window_codec.decode(raw).buckets == {60_000: 7}
+            await client.delete(window_key(prefix, "k"))
+            assert await materializer.heal("k", newer)  # a deleted window comes back
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])

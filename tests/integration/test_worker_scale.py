@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -10,16 +11,16 @@ import time
 import pytest
 import redis
 
-from schemas import windows
 from schemas.policies import Policy
 from schemas.redis_keys import window_key
-from schemas.windows import WindowSpec
 from streams.replay import replay
 from streams.settings import WorkerSettings
+from tests.fixtures.consumption import assignments
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, produce
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 from tests.fixtures.workload import Workload, generate
+from tests.schemas import reference
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -56,14 +57,16 @@ async def _run(settings: WorkerSettings, work: Workload) -> None:
 
 
 def _check_bounds(client: redis.Redis, prefix: str, policy: Policy, work: Workload) -> None:
+    """The windows in Redis, totalled by first-principles arithmetic (not the engine), are
+    within one boundary bucket of the exact ledger; ``include`` never under-counts."""
     now_ms = int(time.time() * 1000)
+    window_ms, bucket_ms = policy.window_ms, policy.bucket_ms
     for boundary in ("include", "exclude", "prorate"):
-        spec = WindowSpec(policy.window_ms, policy.bucket_ms, boundary)  # type: ignore[arg-type]
         for key, items in work.ledger.items():
-            state = buckets(client, prefix, key)
-            exact = sum(a for ms, a in items if now_ms - policy.window_ms < ms <= now_ms)
-            total = windows.total(spec, state, now_ms)
-            bound = abs(windows.boundary_usage(spec, state, now_ms))
+            state = list(buckets(client, prefix, key).items())  # (bucket start, amount)
+            exact = reference.exact_total(window_ms, items, now_ms)
+            total = reference.reference_total(window_ms, bucket_ms, boundary, state, now_ms)
+            bound = abs(reference.reference_boundary_usage(window_ms, bucket_ms, items, now_ms))
             assert abs(total - exact) <= bound, (key, boundary, total, exact, bound)
             if boundary == "include":
                 assert total >= exact
@@ -79,7 +82,7 @@ class TestScale:
         redis_sync: redis.Redis,
     ) -> None:
         policy = _policy(policy_factory)
-        work = generate(policy, EVENTS, now_ms=int(time.time() * 1000), seed=7)
+        work = generate(policy, EVENTS, now_ms=int(time.time() * 1000), seed="scale")
         assert work.duplicates and work.ancient
         workers.start()
         await apply_policies(policy)
@@ -112,7 +115,7 @@ class TestScale:
         redis_sync: redis.Redis,
     ) -> None:
         policy = _policy(policy_factory)
-        work = generate(policy, 6000, now_ms=int(time.time() * 1000), seed=11)
+        work = generate(policy, 6000, now_ms=int(time.time() * 1000), seed="scale-kill")
         first = workers.start("first")
         await apply_policies(policy)
         await _run(worker_settings, work)
@@ -140,10 +143,27 @@ class TestScale:
         redis_sync: redis.Redis,
     ) -> None:
         policy = _policy(policy_factory)
-        work = generate(policy, 4000, now_ms=int(time.time() * 1000), seed=13)
+        work = generate(policy, 4000, now_ms=int(time.time() * 1000), seed="scale-two")
         workers.start("a", worker_settings.data_dir / "a")
         workers.start("b", worker_settings.data_dir / "b")
         await apply_policies(policy)
+        usage = worker_settings.topic("usage")
+        bootstrap, group = worker_settings.kafka_bootstrap, worker_settings.app_id
+
+        async def usage_owners() -> list[list[int]]:
+            members = await assignments(bootstrap, group)
+            return [sorted(t.get(usage, [])) for t in members.values()]
+
+        # Both workers in the group, each holding part of the usage topic's partitions.
+        deadline = time.monotonic() + 120
+        owners = await usage_owners()
+        while not (len(owners) == 2 and all(owners)):
+            assert time.monotonic() < deadline, f"the two workers never shared {usage}: {owners}"
+            await asyncio.sleep(0.5)
+            owners = await usage_owners()
+        assert sorted(p for parts in owners for p in parts) == list(
+            range(worker_settings.partitions)
+        )
         await _run(worker_settings, work)
         await eventually(
             lambda: _matches(redis_sync, worker_settings.redis_prefix, work),

@@ -1,0 +1,37 @@
+"""Which offsets a stream skipped, from the last one handled and the group's commit."""
+
+from __future__ import annotations
+
+from streams.gaps import Positions, missing_range
+
+
+class TestMissingRange:
+    def test_contiguous_records_skip_nothing(self) -> None:
+        assert list(missing_range(41, None, 42)) == []
+
+    def test_a_hole_mid_stream_is_read_back(self) -> None:
+        assert list(missing_range(989, None, 991)) == [990]
+
+    def test_a_redelivery_behind_the_last_offset_skips_nothing(self) -> None:
+        assert list(missing_range(100, None, 60)) == []
+
+    def test_after_assignment_the_records_from_the_commit_on_are_read_back(self) -> None:
+        # The group committed 500; the stream's first record is 503: 500..502 skipped.
+        assert list(missing_range(None, 500, 503)) == [500, 501, 502]
+        assert list(missing_range(None, 500, 500)) == []
+
+    def test_without_a_commit_nothing_is_known_to_be_skipped(self) -> None:
+        assert list(missing_range(None, None, 7)) == []
+
+    def test_a_commit_ahead_of_the_stream_reads_nothing(self) -> None:
+        assert list(missing_range(None, 900, 850)) == []
+
+
+class TestPositions:
+    def test_offsets_only_move_forward_and_are_forgotten_on_reassignment(self) -> None:
+        positions = Positions()
+        positions.handled(0, 10)
+        positions.handled(0, 7)
+        assert positions.last(0) == 10 and positions.last(1) is None
+        positions.forget()
+        assert positions.last(0) is None
