@@ -8,6 +8,7 @@ from admission.client import AdmissionClient, AsyncAdmissionClient
 from admission.publisher import KafkaPublisher, UsagePublisher
 from admission.settings import AdmissionSettings
 from admission.store import AdmitResult, BudgetStore, Charge, Plan
+from admission.sweeper import ReserveSweeper
 
 __all__ = [
     "AdmissionClient",
@@ -19,6 +20,7 @@ __all__ = [
     "Charge",
     "KafkaPublisher",
     "Plan",
+    "ReserveSweeper",
     "UsagePublisher",
     "create_app",
 ]
