@@ -115,13 +115,12 @@ class ReserveSweeper:
             RedisError: Redis did not answer.
         """
         republished = 0
+        cutoff = ""
         while True:
-            claimed = [
-                rid.decode() if isinstance(rid, bytes) else str(rid)
-                for rid in await self._claim(
-                    keys=[self._key], args=[int(self.grace_s * 1000), self.batch]
-                )
-            ]
+            reply = await self._claim(
+                keys=[self._key], args=[int(self.grace_s * 1000), self.batch, cutoff]
+            )
+            cutoff, *claimed = (v.decode() if isinstance(v, bytes) else str(v) for v in reply)
             if not claimed:
                 break
             acked, published = await self._republish(claimed)
