@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from admission.publisher import KafkaPublisher, UsagePublisher
     from admission.settings import AdmissionSettings
     from admission.store import AdmitResult, BudgetStore, Charge, Plan
+    from admission.sweeper import ReserveSweeper
 
 #: Server-side names and the module each is imported from on first use.
 _SERVER = {
@@ -28,6 +29,7 @@ _SERVER = {
     "Charge": "admission.store",
     "KafkaPublisher": "admission.publisher",
     "Plan": "admission.store",
+    "ReserveSweeper": "admission.sweeper",
     "UsagePublisher": "admission.publisher",
     "create_app": "admission.app",
 }
@@ -52,6 +54,7 @@ __all__ = [
     "Charge",
     "KafkaPublisher",
     "Plan",
+    "ReserveSweeper",
     "UsagePublisher",
     "create_app",
 ]

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
@@ -66,9 +66,10 @@ from admission.metrics import (
     SETTLEMENTS,
 )
 from admission.publisher import UsagePublisher
+from admission.reserves import DEFAULT_TTL_MS, reserve_event
 from admission.store import AdmitResult, BudgetStore, CapTerms, Charge, KeyState, Plan
 from schemas.decisions import AdmitRequest, BudgetStatus, Decision
-from schemas.events import CommitEvent, ReleaseEvent, ReserveEvent, Subject, Usage
+from schemas.events import CommitEvent, ReleaseEvent, Subject, Usage
 from schemas.exceptions import MissingGroupByField, UnitError
 from schemas.matching import targets
 from schemas.policies import Policy
@@ -82,7 +83,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 #: Printable ASCII kept as is in the ``Spendgate-Model`` header; the rest is %-encoded.
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
-DEFAULT_TTL_MS = 900_000
 #: A subject field given as a query parameter (as ``schemas.types.SubjectValue``).
 QueryValue = Annotated[str | None, Query(min_length=1, max_length=200)]
 
@@ -115,10 +115,6 @@ def _error(
     if field is not None:
         body["field"] = field
     return JSONResponse({"error": body}, status_code=status, headers=headers)
-
-
-def _now(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, UTC)
 
 
 def cap_terms(
@@ -377,7 +373,8 @@ def create_app(
         if publisher.publish(event):
             return
         # Lost between the room check and here: Redis still holds the reservation as
-        # pending until its TTL, so the budget is only over-counted, never under.
+        # pending, and lists its reserve as unpublished, so an admission process's sweeper
+        # republishes it after the grace period (admission.sweeper).
         PUBLISH_OVERFLOW.labels(action="dropped").inc()
         logger.error("publish buffer full: %s dropped", event.event_id)
 
@@ -389,19 +386,6 @@ def create_app(
             PUBLISH_OVERFLOW.labels(action="refused").inc()
             raise PublishUnavailable("the publish buffer is full (Kafka unreachable)")
         PUBLISH_OVERFLOW.labels(action="admitted").inc()
-
-    def _reserve_event(
-        subject: Subject, estimate: Usage, rid: str, now_ms: int, ttl_ms: int
-    ) -> ReserveEvent:
-        now = _now(now_ms)
-        return ReserveEvent(
-            event_id=f"reserve-{rid}",
-            subject=subject,
-            occurred_at=now,
-            reservation_id=rid,
-            usage=estimate,
-            expires_at=now + timedelta(milliseconds=ttl_ms),
-        )
 
     def _answer(decision: Decision, status: int, extra: dict[str, str]) -> JSONResponse:
         headers = ratelimit_headers(decision.budgets)
@@ -453,17 +437,17 @@ def create_app(
         if result.outcome == "reject":
             return _answer(decision, 429, {})
         if not result.replayed and plan is not None:
-            estimate = body.estimate
-            if result.max_output_tokens is not None:
-                estimate = estimate.model_copy(update={"output_tokens": result.max_output_tokens})
+            # Built from the same values the script stored in the reservation record, so a
+            # republished copy (admission.sweeper) is this event byte for byte.
             ttl_ms = max((c.target.policy.reservation_ttl_ms for c in plan.charges), default=0)
             _publish_or_fail(
-                _reserve_event(
+                reserve_event(
                     plan.subject,
-                    estimate,
+                    body.estimate,
                     result.reservation_id,
                     result.now_ms,
-                    ttl_ms or DEFAULT_TTL_MS,
+                    ttl_ms,
+                    result.max_output_tokens,
                 ),
                 [c.target.policy for c in plan.charges],
             )
@@ -529,7 +513,7 @@ def create_app(
         rid = uuid.uuid4().hex
         ttl_ms = max((p.reservation_ttl_ms for p in policies), default=DEFAULT_TTL_MS)
         local.reservations.put(rid, LocalReservation(body.subject))
-        _publish_or_fail(_reserve_event(body.subject, body.estimate, rid, now_ms, ttl_ms), policies)
+        _publish_or_fail(reserve_event(body.subject, body.estimate, rid, now_ms, ttl_ms), policies)
         decision = Decision(
             decision="allow", reservation_id=rid, model=body.subject.model, budgets=budgets
         )
@@ -556,7 +540,11 @@ def create_app(
             _check_room([c.target.policy for c in plans[0].charges])
             try:
                 result = await store.admit(
-                    body.request_id, uuid.uuid4().hex, plans, body.estimate.output_tokens
+                    body.request_id,
+                    uuid.uuid4().hex,
+                    plans,
+                    body.estimate.output_tokens,
+                    estimate=body.estimate,
                 )
             except StoreUnavailable as exc:
                 return _fallback(body, plans, exc)

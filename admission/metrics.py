@@ -65,3 +65,13 @@ SETTLE_LATENCY = Histogram(
     "Time to answer a commit or release, including the wait for the broker's ack.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
 )
+RESERVES_REPUBLISHED = Counter(
+    "spendgate_admission_reserves_republished_total",
+    "Reserve events republished from Redis by the sweeper (unacknowledged past the grace "
+    "period, e.g. their admission process died) and acked by the broker.",
+)
+RESERVES_UNRECOVERABLE = Counter(
+    "spendgate_admission_reserves_unrecoverable_total",
+    "Unpublished reserves whose reservation record was gone (expired) when swept: "
+    "the worker never learned of these reservations.",
+)

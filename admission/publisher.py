@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 from aiokafka import AIOKafkaProducer
@@ -38,7 +39,8 @@ class UsagePublisher(Protocol):
 
         Returns False when no ack came in time: the outcome is unknown (the event stays
         queued and may still land). Calling again with the same ``event_id`` never queues
-        a second copy while the first is queued, in flight or remembered as acked.
+        a second copy while the first is queued (by either call), in flight or remembered
+        as acked.
         """
         ...
 
@@ -59,6 +61,9 @@ class KafkaPublisher:
     exit the buffer is drained for at most ``shutdown_s``; what is still unacked then is
     logged (count per kind and every event id) and counted in
     ``spendgate_admission_unpublished_at_shutdown_total``.
+
+    ``on_acked``, when set, is called with every event the broker acked (from the ack
+    callback: it must not block); the reserve sweeper uses it to unlist acked reserves.
     """
 
     def __init__(
@@ -84,6 +89,9 @@ class KafkaPublisher:
         #: event id -> the future its ``publish_acked`` callers wait on.
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
+        #: event id -> copies queued or in flight (``publish_acked`` joins a held one).
+        self._held: dict[str, int] = {}
+        self.on_acked: Callable[[UsageEvent], None] | None = None
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.connected = False
@@ -102,6 +110,7 @@ class KafkaPublisher:
         if not self.has_room():
             return False
         self._queue.append(event)
+        self._held[event.event_id] = self._held.get(event.event_id, 0) + 1
         PUBLISH_BUFFER.set(self.depth)
         self._wakeup.set()
         return True
@@ -117,7 +126,9 @@ class KafkaPublisher:
             return True
         waiter = self._waiting.get(event.event_id)
         if waiter is None:
-            if not self.publish(event):
+            # Already queued or in flight (e.g. a reserve republished while its first copy
+            # still waits for the broker): wait for that copy's ack instead.
+            if event.event_id not in self._held and not self.publish(event):
                 return False
             waiter = asyncio.get_running_loop().create_future()
             self._waiting[event.event_id] = waiter
@@ -129,6 +140,14 @@ class KafkaPublisher:
         return True
 
     def _acked_ok(self, event: UsageEvent) -> None:
+        held = self._held.pop(event.event_id, 1) - 1
+        if held > 0:
+            self._held[event.event_id] = held
+        if self.on_acked is not None:
+            try:
+                self.on_acked(event)
+            except Exception:  # a listener's bug must not lose the ack of its waiters
+                logger.exception("the ack listener failed on %s", event.event_id)
         waiter = self._waiting.pop(event.event_id, None)
         if waiter is None:
             return

@@ -2,21 +2,109 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 from admission.window_lua import WINDOW_LUA_LIB
 
 __all__ = [
     "ADMIT",
     "ADMIT_ARGS_PER_TARGET",
     "ADMIT_HEADER_ARGS",
+    "ADMIT_HEADER_KEYS",
     "ADMIT_KEYS_PER_TARGET",
     "ADMIT_REPLY_PER_TARGET",
+    "CLAIM_UNPUBLISHED",
     "SETTLE",
+    "AdmitHeader",
+    "AdmitTarget",
 ]
 
+ArgValue = int | str
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitHeader:
+    """The ARGV entries of :data:`ADMIT` before the first plan, in ARGV order.
+
+    Attributes:
+        read_only: evaluate plan 1 only, reserve and store nothing.
+        reservation_id: the id the reservation gets when one is made.
+        idempotency_ttl_ms: how long the stored answer of the request id lives.
+        record_ttl_ms: how long the reservation record lives.
+        estimate_output_tokens: the estimate's output tokens (what ``cap`` lowers).
+        estimate_json: the estimate as sent (JSON), kept in the reservation record so
+            its ``reserve`` event can be rebuilt (``admission.reserves``).
+        plans: how many plans follow.
+    """
+
+    read_only: bool
+    reservation_id: str
+    idempotency_ttl_ms: int
+    record_ttl_ms: int
+    estimate_output_tokens: int
+    estimate_json: str
+    plans: int
+
+    def argv(self) -> list[ArgValue]:
+        """The entries, encoded as the script reads them."""
+        return [
+            int(self.read_only),
+            self.reservation_id,
+            self.idempotency_ttl_ms,
+            self.record_ttl_ms,
+            self.estimate_output_tokens,
+            self.estimate_json,
+            self.plans,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitTarget:
+    """The ARGV entries of one budget key of a plan in :data:`ADMIT`, in ARGV order.
+
+    ``on_exceed``: 0 reject, 1 cap, 2 downgrade; ``downgrade_plan``: the 1-based index of
+    the plan to try when this key refuses (0 none); the amount at ``o`` output tokens is
+    ``ceil((cap_s + o * cap_r) / cap_d)``.
+    """
+
+    limit: int
+    window_ms: int
+    bucket_ms: int
+    boundary: str
+    amount: int
+    reservation_ttl_ms: int
+    observe: bool
+    on_exceed: int
+    downgrade_plan: int
+    cap_s: int
+    cap_r: int
+    cap_d: int
+
+    def argv(self) -> list[ArgValue]:
+        """The entries, encoded as the script reads them."""
+        return [
+            self.limit,
+            self.window_ms,
+            self.bucket_ms,
+            self.boundary,
+            self.amount,
+            self.reservation_ttl_ms,
+            int(self.observe),
+            self.on_exceed,
+            self.downgrade_plan,
+            self.cap_s,
+            self.cap_r,
+            self.cap_d,
+        ]
+
+
 #: ARGV entries before the first plan in :data:`ADMIT`.
-ADMIT_HEADER_ARGS = 6
+ADMIT_HEADER_ARGS = len(fields(AdmitHeader))
 #: ARGV entries per budget key in :data:`ADMIT`.
-ADMIT_ARGS_PER_TARGET = 12
+ADMIT_ARGS_PER_TARGET = len(fields(AdmitTarget))
+#: KEYS entries before the first target in :data:`ADMIT`: the request's answer, the
+#: reservation record, the unpublished reserves.
+ADMIT_HEADER_KEYS = 3
 #: KEYS entries per budget key in :data:`ADMIT`: window, pending window, pending reservations.
 ADMIT_KEYS_PER_TARGET = 3
 #: Reply entries per budget key of the reported plan.
@@ -31,22 +119,26 @@ ADMIT_REPLY_PER_TARGET = 5
 # again.
 #
 # KEYS[1]              idempotency record of this request_id (the stored answer)
-# KEYS[2]              the reservation record (hash: subject, plan, settled)
-# KEYS[3..]            for each plan in order, for each of its targets, 3 keys: the
+# KEYS[2]              the reservation record (hash: subject, plan, settled, and the
+#                      reserve event's usage, at, out, ttl; see schemas/redis_keys.py)
+# KEYS[3]              the unpublished reserves (sorted set: reservation id -> ms)
+# KEYS[4..]            for each plan in order, for each of its targets, 3 keys: the
 #                      window (a string in the schemas.window_codec layout, written by the
 #                      stream processor), the pending window (hash: a bucket's last ms ->
 #                      amount pending there) and the pending reservations (hash:
 #                      reservation id -> "field:amount", where it sits in the pending
 #                      window), see schemas/redis_keys.py
+# ARGV (encoded by AdmitHeader and AdmitTarget above):
 # ARGV[1] read-only (1: evaluate plan 1, reserve and store nothing, ignore KEYS[1])
 # ARGV[2] reservation id      ARGV[3] idempotency ttl ms   ARGV[4] record ttl ms
-# ARGV[5] the estimate's output tokens (for cap)           ARGV[6] number of plans
+# ARGV[5] the estimate's output tokens (for cap)           ARGV[6] the estimate (JSON)
+# ARGV[7] number of plans
 # per plan: subject JSON (stored in the record), n targets, then per target 12 entries:
-#   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms (unused here: a
-#   pending amount ages out with its bucket, expired or not), observe (0/1),
-#   on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index (0 none),
-#   cap_s, cap_r, cap_d: the amount at o output tokens is ceil((cap_s + o*cap_r) / cap_d)
-#   (cap_r = 0: capping output does not lower this amount)
+#   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms (only the reserve
+#   event's expires_at uses it: a pending amount ages out with its bucket, expired or
+#   not), observe (0/1), on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index
+#   (0 none), cap_s, cap_r, cap_d: the amount at o output tokens is
+#   ceil((cap_s + o*cap_r) / cap_d) (cap_r = 0: capping output does not lower this amount)
 # Returns {replayed (0/1), outcome (0 reject, 1 allow, 2 cap, 3 observe_reject), now_ms,
 #          retry_after_ms (-1 none, -2 never fits), reservation id, plan index,
 #          max output tokens (-1 none), n, then per target of the reported plan:
@@ -54,6 +146,14 @@ ADMIT_REPLY_PER_TARGET = 5
 #          reset_after_ms}
 # An answer that reserved is stored and a repeat returns it verbatim; a reject holds
 # nothing and is decided anew. Time is the Redis server clock (TIME), never the caller's.
+#
+# A reservation carries its own reserve event: the record keeps what the event is rebuilt
+# from (byte for byte, same event id) and the reservation id joins the unpublished
+# reserves, scored by its admission instant, in this same atomic step. The admission
+# process removes it once Kafka acked the reserve; until then any admission process may
+# republish it past a grace period (admission.sweeper), so a reservation whose process
+# died before its reserve reached Kafka still reaches the worker. One ZADD per request:
+# the work per budget key is unchanged.
 #
 # Usage = the absorbed window + the pending window, added bucket by bucket: a reservation
 # sits in the bucket of its admission instant and ages out of the window like absorbed
@@ -77,10 +177,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[2]
 local est_out = tonumber(ARGV[5])
-local nplans = tonumber(ARGV[6])
+local nplans = tonumber(ARGV[7])
 
 -- Parse every plan; window state is read only for the plans evaluated.
-local plans, a, k = {}, 7, 3
+local plans, a, k = {}, 8, 4
 for p = 1, nplans do
   local plan = {subject = ARGV[a], n = tonumber(ARGV[a + 1]), targets = {}}
   a = a + 2
@@ -273,8 +373,15 @@ if outcome ~= 0 and not read_only then
       redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
     end
   end
-  redis.call('HSET', KEYS[2], 'subject', plan.subject, 'plan', chosen)
+  local ttl = 0
+  for j = 1, plan.n do
+    if plan.targets[j].ttl > ttl then ttl = plan.targets[j].ttl end
+  end
+  local at = string.format('%d', now)
+  redis.call('HSET', KEYS[2], 'subject', plan.subject, 'plan', chosen, 'usage', ARGV[6],
+             'at', at, 'out', string.format('%d', max_out), 'ttl', string.format('%d', ttl))
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
+  redis.call('ZADD', KEYS[3], at, rid)
   redis.call('SET', KEYS[1], table.concat(answer, ','), 'PX', tonumber(ARGV[3]))
 end
 local out = {0}
@@ -297,4 +404,37 @@ local settled = redis.call('HGET', KEYS[1], 'settled')
 if settled and settled ~= ARGV[1] then return {'conflict:' .. settled, subject} end
 if not settled then redis.call('HSET', KEYS[1], 'settled', ARGV[1]) end
 return {'ok', subject}
+"""
+
+# Claim the unpublished reserves older than a grace period, for republishing.
+#
+# KEYS[1] the unpublished reserves (sorted set: reservation id -> ms, see ADMIT)
+# ARGV[1] grace ms            ARGV[2] most entries to claim
+# ARGV[3] the cutoff this sweep's first claim returned, or "" for a sweep's first claim
+# Returns {cutoff, claimed reservation ids oldest first...}: the entries scored before the
+# cutoff (now - grace on the first claim of a sweep, kept for the rest of that sweep).
+# A claimed entry is re-scored to now: no other process claims it again before another
+# grace period has passed, by which time this one has published it (and removed it on the
+# broker's ack) or died, in which case the next claim republishes it; and the same sweep
+# never takes it twice, since now is never before the sweep's cutoff. Time is the Redis
+# server clock, the same clock that scored the entries.
+CLAIM_UNPUBLISHED = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cutoff = now - tonumber(ARGV[1])
+if ARGV[3] ~= '' then cutoff = tonumber(ARGV[3]) end
+cutoff = string.format('%d', cutoff)
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. cutoff, 'LIMIT', 0,
+                       tonumber(ARGV[2]))
+local stamp = string.format('%d', now)
+for i = 1, #ids, 500 do
+  local args = {}
+  for j = i, math.min(i + 499, #ids) do
+    args[#args + 1] = stamp
+    args[#args + 1] = ids[j]
+  end
+  redis.call('ZADD', KEYS[1], 'XX', unpack(args))
+end
+table.insert(ids, 1, cutoff)
+return ids
 """

@@ -20,6 +20,7 @@ from admission.publisher import KafkaPublisher
 from admission.redis_check import warn_if_not_durable
 from admission.settings import AdmissionSettings
 from admission.store import BudgetStore
+from admission.sweeper import ReserveSweeper
 from schemas.prices import load_catalog
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,14 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         ack_timeout_s=settings.ack_timeout_s,
         shutdown_s=settings.shutdown_publish_s,
     )
+    sweeper = ReserveSweeper(
+        client,
+        settings.redis_prefix,
+        publisher,
+        grace_s=settings.reserve_grace_s,
+        interval_s=settings.reserve_sweep_s,
+    )
+    publisher.on_acked = sweeper.acked
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
     )
@@ -83,11 +92,14 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
                 "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
             )
         await warn_if_not_durable(client)
-        async with publisher:
-            try:
+        try:
+            # The sweeper stops first (nothing republished into a closing publisher); the
+            # reserves acked while the publisher drains are unlisted after it.
+            async with publisher, sweeper:
                 yield
-            finally:
-                await client.aclose()
+            await sweeper.unlist_remaining()
+        finally:
+            await client.aclose()
 
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     return create_app(

@@ -45,6 +45,11 @@ class AdmissionSettings(BaseSettings):
     #: On shutdown, how long unacked events may still take to reach Kafka; what is left
     #: is logged (count per kind, event ids) and counted in a metric.
     shutdown_publish_s: float = Field(10.0, ge=0)
+    #: A reserve event not acknowledged by Kafka this long after its admission (its
+    #: process died, or Kafka is down) is republished from Redis by any admission process.
+    reserve_grace_s: float = Field(30.0, gt=0)
+    #: How often each admission process looks for such reserves.
+    reserve_sweep_s: float = Field(5.0, gt=0)
     #: Larger request bodies are refused with 413.
     max_body_bytes: int = Field(65_536, ge=1024)
 

@@ -16,8 +16,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from admission.backpressure import Backpressure
 from admission.exceptions import Overloaded, StoreUnavailable
 from admission.metrics import OVERLOADED, STORE_FAILURES
-from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE
-from schemas.events import Subject
+from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE, AdmitHeader, AdmitTarget
+from schemas.events import Subject, Usage
 from schemas.matching import BudgetTarget
 from schemas.policies import Policy
 from schemas.redis_keys import (
@@ -27,6 +27,7 @@ from schemas.redis_keys import (
     policies_version_key,
     request_key,
     reservation_key,
+    unpublished_reserves_key,
     window_key,
 )
 
@@ -231,8 +232,21 @@ class BudgetStore:
         estimate_output_tokens: int,
         *,
         read_only: bool = False,
+        estimate: Usage | None = None,
     ) -> AdmitResult:
         """Decide over every plan's keys and reserve on all of one plan's keys, or none.
+
+        A reservation made keeps what its ``reserve`` event is rebuilt from and is listed
+        as unpublished until the broker acks that event (``admission.sweeper``).
+
+        Args:
+            request_id: the caller's idempotency key.
+            reservation_id: the id a reservation made now gets.
+            plans: the request as sent, then its downgrade plans.
+            estimate_output_tokens: the estimate's output tokens (what ``cap`` lowers).
+            read_only: evaluate plan 0 only; reserve and store nothing.
+            estimate: the estimate as sent, stored for the reserve event (default: only
+                ``estimate_output_tokens``).
 
         Raises:
             StoreUnavailable: Redis did not answer, or lost its data (the windows are gone
@@ -250,16 +264,10 @@ class BudgetStore:
         keys = [
             request_key(self.prefix, plans[0].subject.tenant, request_id),
             reservation_key(self.prefix, reservation_id),
+            unpublished_reserves_key(self.prefix),
         ]
         record_ttl_ms = RECORD_GRACE_MS
-        args: list[int | str] = [
-            int(read_only),
-            reservation_id,
-            IDEMPOTENCY_TTL_MS,
-            0,  # replaced below
-            estimate_output_tokens,
-            len(plans),
-        ]
+        args: list[int | str] = []
         for plan in plans:
             args += [plan.subject.model_dump_json(exclude_defaults=True), len(plan.charges)]
             for charge in plan.charges:
@@ -270,21 +278,31 @@ class BudgetStore:
                     pending_reservations_key(self.prefix, charge.target.key),
                 ]
                 record_ttl_ms = max(record_ttl_ms, policy.reservation_ttl_ms + RECORD_GRACE_MS)
-                args += [
-                    policy.limit,
-                    policy.window_ms,
-                    policy.bucket_ms,
-                    policy.boundary,
-                    charge.amount,
-                    policy.reservation_ttl_ms,
-                    int(policy.mode == "observe"),
-                    _ON_EXCEED[policy.on_exceed],
-                    charge.alt + 1 if charge.alt else 0,
-                    charge.cap.s,
-                    charge.cap.r,
-                    charge.cap.d,
-                ]
-        args[3] = record_ttl_ms
+                args += AdmitTarget(
+                    limit=policy.limit,
+                    window_ms=policy.window_ms,
+                    bucket_ms=policy.bucket_ms,
+                    boundary=policy.boundary,
+                    amount=charge.amount,
+                    reservation_ttl_ms=policy.reservation_ttl_ms,
+                    observe=policy.mode == "observe",
+                    on_exceed=_ON_EXCEED[policy.on_exceed],
+                    downgrade_plan=charge.alt + 1 if charge.alt else 0,
+                    cap_s=charge.cap.s,
+                    cap_r=charge.cap.r,
+                    cap_d=charge.cap.d,
+                ).argv()
+        usage = estimate if estimate is not None else Usage(output_tokens=estimate_output_tokens)
+        header = AdmitHeader(
+            read_only=read_only,
+            reservation_id=reservation_id,
+            idempotency_ttl_ms=IDEMPOTENCY_TTL_MS,
+            record_ttl_ms=record_ttl_ms,
+            estimate_output_tokens=estimate_output_tokens,
+            estimate_json=usage.model_dump_json(exclude_defaults=True),
+            plans=len(plans),
+        )
+        args = header.argv() + args
         raw = await self._call("admit", lambda: self._admit(keys=keys, args=args))
         replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
         retry = int(retry)

@@ -57,5 +57,18 @@ def request_key(prefix: str, tenant: str | None, request_id: str) -> str:
 def reservation_key(prefix: str, reservation_id: str) -> str:
     """Hash of one reservation, written by the admit script: fields ``subject`` (JSON),
     ``plan`` (which model plan was reserved) and ``settled`` (once committed or
-    released), read by commit and release."""
+    released), read by commit and release; and what its ``reserve`` event is rebuilt from
+    (``admission.reserves``): ``usage`` (the estimate, JSON), ``at`` (the admission
+    instant, ms on the Redis clock), ``out`` (the capped output tokens, -1 when not
+    capped) and ``ttl`` (the longest reservation TTL of the reserved plan, ms; 0: none)."""
     return f"{prefix}res:{reservation_id}"
+
+
+def unpublished_reserves_key(prefix: str) -> str:
+    """Sorted set of the reservations whose ``reserve`` event Kafka has not acknowledged
+    yet: member = reservation id, score = the admission instant (ms, Redis clock), or the
+    instant an admission process last claimed it for republishing. Added to by the admit
+    script in the same atomic step as the reservation, removed from (in batches) once the
+    broker acked the reserve; entries older than a grace period are republished from
+    :func:`reservation_key` by any admission process (``admission.sweeper``)."""
+    return f"{prefix}unpub"

@@ -1,0 +1,82 @@
+"""The ``reserve`` event of a reservation, built the same way on admit and from Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+
+from schemas.events import ReserveEvent, Subject, Usage
+
+__all__ = ["DEFAULT_TTL_MS", "reserve_event", "reserve_event_from_record"]
+
+#: A reservation held by no policy with a TTL expires after this (15 min).
+DEFAULT_TTL_MS = 900_000
+
+
+def reserve_event(
+    subject: Subject,
+    estimate: Usage,
+    reservation_id: str,
+    at_ms: int,
+    ttl_ms: int,
+    max_output_tokens: int | None = None,
+) -> ReserveEvent:
+    """The reserve event of a reservation made at ``at_ms`` (Redis clock).
+
+    Its id derives from the reservation, so a republished copy is the same event to the
+    worker's dedupe.
+
+    Args:
+        subject: the subject of the reserved plan (after a downgrade: its model).
+        estimate: the estimate as sent; ``max_output_tokens`` replaces its output tokens.
+        reservation_id: the reservation.
+        at_ms: the admission instant in ms since the epoch.
+        ttl_ms: the longest reservation TTL of the reserved plan; 0 means
+            :data:`DEFAULT_TTL_MS`.
+        max_output_tokens: the capped output, or None when not capped.
+
+    Returns:
+        The event, equal (and equal in JSON) for equal arguments.
+    """
+    if max_output_tokens is not None:
+        estimate = estimate.model_copy(update={"output_tokens": max_output_tokens})
+    now = datetime.fromtimestamp(at_ms / 1000, UTC)
+    return ReserveEvent(
+        event_id=f"reserve-{reservation_id}",
+        subject=subject,
+        occurred_at=now,
+        reservation_id=reservation_id,
+        usage=estimate,
+        expires_at=now + timedelta(milliseconds=ttl_ms or DEFAULT_TTL_MS),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def reserve_event_from_record(
+    reservation_id: str, record: Mapping[bytes, bytes] | Mapping[str, str]
+) -> ReserveEvent | None:
+    """Rebuild the reserve event from the reservation record the admit script wrote.
+
+    Args:
+        reservation_id: the reservation.
+        record: the fields of its hash (``schemas.redis_keys.reservation_key``).
+
+    Returns:
+        The same event the admit path published (same id, same JSON), or None when the
+        record is gone (expired) or predates the fields the event is rebuilt from.
+    """
+    fields = {_text(k): _text(v) for k, v in record.items()}
+    if not {"subject", "usage", "at", "out", "ttl"} <= fields.keys():
+        return None
+    out = int(fields["out"])
+    return reserve_event(
+        Subject.model_validate_json(fields["subject"]),
+        Usage.model_validate_json(fields["usage"]),
+        reservation_id,
+        int(fields["at"]),
+        int(fields["ttl"]),
+        out if out >= 0 else None,
+    )
