@@ -102,11 +102,12 @@ OBSERVATIONS = """\
 - **A huge negative `adjust`** still lands in its bucket (`SignedUsage` allows down to
   -(2**53-1)), but admission counts a negative window as 0: a refund cannot create room
   beyond the limit. A key's alerts and `budgets[].used` then show 0. (Not asserted here.)
-- **Open admits past a full publish buffer never reach the log** (scenario 2,
-  `admitted_but_never_published`, asserted equal to what the test derived from its own
-  sending order; their estimates are held only in Redis's pending window, `pending_left`,
-  until their bucket ages out of the window). A replay never sees them: the documented
-  cost of `failure: open`.
+- **Open admits past a full publish buffer reach the log late** (scenario 2): their
+  reserve events are not queued, but each admit listed its reservation in Redis in the
+  same atomic step, and the sweeper republishes it (same event id and bytes) once it is
+  older than the grace period and Kafka answers; the test asserts every admitted
+  reservation on the topic (`admitted_but_never_published` 0), counted once, nothing left
+  pending. Before the sweeper they never reached the log.
 - **A starting worker could overwrite fresher windows** (found by the changelog test): a
   new worker's first `keep_redis` tick rewrote every window from a snapshot taken before it
   awaited each write, so records applied meanwhile were overwritten by older state (5
