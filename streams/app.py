@@ -142,6 +142,9 @@ def build_app(
             logger.info("wrote %d budget windows and the policies into Redis", restored)
 
     drift = DriftCycle()
+    #: Keys whose table value is written but whose Redis write is still in flight: Redis
+    #: is behind there for a moment, which is not drift.
+    writing: set[str] = set()
 
     @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
     async def drift_check() -> None:
@@ -153,6 +156,8 @@ def build_app(
             return
         now_ms = int(time.time() * 1000)
         for key in drift.next_keys(table, settings.drift_keys_per_s):
+            if key in writing:
+                continue
             state = KeyState.from_bytes(table.get(key))
             if not state.bucket_ms or not windows_live(state, now_ms):
                 continue  # nothing left in the window: Redis may have let it expire
@@ -252,7 +257,11 @@ def build_app(
                 return
             table[rec.key] = encoded
         metrics.OUTCOMES.labels(outcome=change.outcome).inc()
-        await materializer.write(rec.key, state, change, rec.spec)
+        writing.add(rec.key)
+        try:
+            await materializer.write(rec.key, state, change, rec.spec)
+        finally:
+            writing.discard(rec.key)
         if rec.broker_ms:
             metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
         # Alerts leave only after the state change is in the table and in Redis.
