@@ -8,6 +8,7 @@ usage topic changes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -22,6 +23,7 @@ import pytest
 import redis
 
 from schemas.deadletter import MAX_ORIGINAL_BYTES, DeadLetter
+from schemas.redis_keys import unpublished_reserves_key
 from streams.replay import replay
 from streams.settings import WorkerSettings
 from tests.faults.conftest import (
@@ -472,6 +474,14 @@ class TestMalformedHttp:
         async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
             first = await http.post("/v1/admit", json=_body())
             assert first.status_code == 200, first.text
+            # Its reserve leaves the unpublished list once Kafka acked it (a write of the
+            # admission's own, not of the malformed requests): wait for it first.
+            rid = first.json()["reservation_id"]
+            unpub = unpublished_reserves_key(key_prefix)
+            deadline = time.monotonic() + 60
+            while redis_sync.zscore(unpub, rid) is not None:
+                assert time.monotonic() < deadline, "the first admit's reserve was never acked"
+                await asyncio.sleep(0.1)
             before = snapshot(redis_sync, key_prefix)  # the script wrote before answering
             for what, method, path, kwargs in cases:
                 fault_record.inputs.append(f"HTTP {method} {path}: {what}")

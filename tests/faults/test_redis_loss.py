@@ -261,7 +261,7 @@ class TestRedisLoss:
         # The replay read every record: the workload and one reserve per 200 answer.
         assert summary.records == len(work.records) + admitted_events
         assert (
-            summary.outcomes.get("duplicate", 0) + summary.outcomes.get("late_dropped", 0)
+            summary.duplicates + summary.outcomes.get("late_dropped", 0)
             == work.duplicates + work.ancient
         )
         assert rebuilt.units_expected == work.units()
