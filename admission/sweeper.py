@@ -117,8 +117,11 @@ class ReserveSweeper:
         republished = 0
         cutoff = ""
         while True:
+            batch = self._room()
+            if batch == 0:
+                break
             reply = await self._claim(
-                keys=[self._key], args=[int(self.grace_s * 1000), self.batch, cutoff]
+                keys=[self._key], args=[int(self.grace_s * 1000), batch, cutoff]
             )
             cutoff, *claimed = (v.decode() if isinstance(v, bytes) else str(v) for v in reply)
             if not claimed:
@@ -127,7 +130,7 @@ class ReserveSweeper:
             republished += acked
             # A batch not fully acked (Kafka down or slow): the rest waits for the next
             # sweep rather than piling into the publisher's buffer.
-            if len(claimed) < self.batch or acked < published:
+            if len(claimed) < batch or acked < published:
                 break
         if republished:
             logger.info(
@@ -136,6 +139,15 @@ class ReserveSweeper:
                 self.grace_s,
             )
         return republished
+
+    def _room(self) -> int:
+        """How many reserves one claim may take: at most half of the publisher's free
+        buffer slots, so republishing never fills the buffer live admits need."""
+        capacity = getattr(self.publisher, "capacity", None)
+        if not isinstance(capacity, int):
+            return self.batch
+        free = capacity - int(getattr(self.publisher, "depth", 0))
+        return max(0, min(self.batch, free // 2))
 
     async def _republish(self, claimed: list[str]) -> tuple[int, int]:
         """Publish the claimed reserves; returns (acked, published)."""
