@@ -5,9 +5,11 @@ faust can deliver a partition's records with a hole, during a rebalance above al
 each source position once and in order (``streams.ledger``), so a skipped record that is
 delivered later, or never, would be lost. Each agent therefore tracks, per partition, the
 last offset it handled; a record further ahead is preceded by the records in between, read
-back from Kafka and handled first. Records the group had already committed were handled by
-a previous owner; those from the committed offset on may or may not have been, which is
-safe to repeat: keys recognise what they applied by position.
+back from Kafka and handled first (seen here: a worker given a partition during a rebalance
+started 1,099 records in, on a partition the group had never committed). Records the group
+had already committed were handled by a previous owner; those from the committed offset on
+may or may not have been, which is safe to repeat: keys recognise what they applied by
+position.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def missing_range(last: int | None, committed: int | None, offset: int) -> range
     Args:
         last: the last offset this process handled on the partition (None: none since
             it was assigned).
-        committed: the group's committed offset when the partition was assigned (None:
-            unknown or none).
+        committed: the group's committed offset when the partition was assigned; 0 when
+            the group has none (the consumer starts at the earliest record, so everything
+            before ``offset`` was skipped); None when nothing is known.
         offset: the offset of the record about to be handled.
 
     Returns:
@@ -61,8 +64,9 @@ class Positions:
         self._last.clear()
 
 
-async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> int | None:
-    """The group's committed offset of ``tp`` (None when it has none)."""
+async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> int:
+    """The group's committed offset of ``tp`` (0 when it has none: the consumers start at
+    the earliest record, which :func:`read_range` clamps to the log start)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -70,7 +74,7 @@ async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> in
     finally:
         await admin.close()
     meta = found.get(tp)
-    return meta.offset if meta is not None and meta.offset >= 0 else None
+    return meta.offset if meta is not None and meta.offset >= 0 else 0
 
 
 async def read_range(bootstrap: str, tp: TopicPartition, wanted: range) -> list[ConsumerRecord]:

@@ -20,7 +20,12 @@ class TestMissingRange:
         assert list(missing_range(None, 500, 503)) == [500, 501, 502]
         assert list(missing_range(None, 500, 500)) == []
 
-    def test_without_a_commit_nothing_is_known_to_be_skipped(self) -> None:
+    def test_without_a_commit_everything_before_the_first_record_is_read_back(self) -> None:
+        # The group never committed (committed_offset answers 0): the stream should have
+        # started at the earliest record. Seen: a first record at 1,099.
+        assert list(missing_range(None, 0, 3)) == [0, 1, 2]
+
+    def test_when_nothing_is_known_nothing_is_read_back(self) -> None:
         assert list(missing_range(None, None, 7)) == []
 
     def test_a_commit_ahead_of_the_stream_reads_nothing(self) -> None:
