@@ -259,15 +259,6 @@ class IdStore:
                 del self._cfs[name]
                 self._db.drop_column_family(name)
 
-    def forget_partition(self, partition: int) -> None:
-        """Drop everything known about ``partition`` (its ids are rebuilt when needed)."""
-        prefix = f"p{partition}."
-        for name in [n for n in self._cfs if n.startswith(prefix)]:
-            del self._cfs[name]
-            self._db.drop_column_family(name)
-        self._meta.pop(partition, None)
-        self._cfs[_META_CF].delete(str(partition).encode())
-
     # -- figures -----------------------------------------------------------------------
 
     def size(self) -> int:

@@ -13,7 +13,6 @@ import json
 import uuid
 from datetime import UTC, datetime, timedelta
 
-import httpx
 import pytest
 import redis
 
@@ -23,7 +22,7 @@ from streams.settings import WorkerSettings
 from tests.faults.conftest import FaultRecord
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import buckets, eventually, produce, window_sum
+from tests.fixtures.kafka_io import buckets, eventually, metric, produce, window_sum
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -42,15 +41,6 @@ def _commit(tenant: str, at: datetime, tokens: int) -> bytes:
             "usage": {"input_tokens": tokens},
         }
     ).encode()
-
-
-def _metric(port: int, name: str) -> float:
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    except httpx.ConnectError:
-        return 0.0
-    lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 class TestDrift:
@@ -90,7 +80,7 @@ class TestDrift:
             return {t: window_sum(redis_sync, prefix, key(t)) for t in TENANTS}
 
         await eventually(lambda: sums() == sent, timeout_s=120, what="every event counted")
-        healed_before = _metric(port, "spendgate_drift_keys_total")
+        healed_before = metric(port, "spendgate_drift_keys_total")
         assert healed_before == 0, "nothing had drifted yet"
 
         # Behind the worker's back: double one window, drop a bucket of another, delete a
@@ -116,8 +106,8 @@ class TestDrift:
             sent[t] += 5
         # One cycle is 3 s; allow three cycles on a loaded box, plus the events in flight.
         await eventually(lambda: sums() == sent, timeout_s=15, what="altered windows healed")
-        healed = _metric(port, "spendgate_drift_keys_total") - healed_before
-        cycle_s = _metric(port, "spendgate_drift_last_cycle_seconds")
+        healed = metric(port, "spendgate_drift_keys_total") - healed_before
+        cycle_s = metric(port, "spendgate_drift_last_cycle_seconds")
         fault_record.add(
             keys=len(TENANTS),
             windows_altered=3,

@@ -19,7 +19,6 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
@@ -30,7 +29,7 @@ from streams.kafka_util import assign, partitions, stop
 from streams.settings import WorkerSettings
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import eventually, produce, read_all, window_sum
+from tests.fixtures.kafka_io import eventually, metric, produce, read_all, window_sum
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 
 pytestmark = pytest.mark.integration
@@ -57,16 +56,6 @@ async def send(settings: WorkerSettings, values: list[bytes], tenant: str = "acm
     await produce(
         settings.kafka_bootstrap, settings.topic("usage"), [(tenant.encode(), v) for v in values]
     )
-
-
-def metric(port: int, name: str) -> float:
-    """A metric's value summed over its labels (0 while the worker is still starting)."""
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    except httpx.ConnectError:
-        return 0.0
-    lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 async def changelog_sizes(settings: WorkerSettings, key: str) -> list[int]:
