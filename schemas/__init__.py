@@ -25,7 +25,7 @@ from schemas.exceptions import (
     UnitError,
     UnpricedModel,
 )
-from schemas.matching import BudgetTarget, budget_key, matches, targets
+from schemas.matching import BudgetTarget, PolicyIndex, budget_key, matches, targets
 from schemas.policies import Policy, validate_against_catalog
 from schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
 from schemas.units import amount
@@ -45,6 +45,7 @@ __all__ = [
     "ModelPrice",
     "Policy",
     "PolicyError",
+    "PolicyIndex",
     "PriceCatalog",
     "ReleaseEvent",
     "ReserveEvent",

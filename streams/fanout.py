@@ -31,7 +31,8 @@ class Fanout:
     duplicate: bool = False
 
 
-def _reason(exc: ValidationError) -> str:
+def invalid_reason(exc: ValidationError) -> str:
+    """The dead-letter reason of a record the models refuse (the first five errors)."""
     parts = []
     for err in exc.errors(include_url=False)[:5]:
         where = ".".join(str(p) for p in err["loc"]) or "record"
@@ -46,14 +47,25 @@ def note(ids: IdStore, src: Position, event: UsageEvent) -> tuple[bool, bool]:
         ``(duplicate, settled)``: whether it is a producer duplicate within the horizon,
         and, for a ``reserve``, whether its reservation was settled before it arrived.
     """
-    tenant = event.subject.tenant
-    if ids.check(src, event_digest(tenant, event.event_id)) == "duplicate":
-        return True, False
     rid = getattr(event, "reservation_id", None)
-    if rid is None:
+    return note_ids(ids, src, event.subject.tenant, event.event_id, event.kind, rid)
+
+
+def note_ids(
+    ids: IdStore,
+    src: Position,
+    tenant: str | None,
+    event_id: str,
+    kind: str,
+    reservation_id: str | None,
+) -> tuple[bool, bool]:
+    """:func:`note` on an event's parts (the fold's decoded events are not the models)."""
+    if ids.check(src, event_digest(tenant, event_id)) == "duplicate":
+        return True, False
+    if reservation_id is None:
         return False, False
-    mark = settled_digest(tenant, rid)
-    if event.kind == "reserve":
+    mark = settled_digest(tenant, reservation_id)
+    if kind == "reserve":
         return False, ids.seen_before(src, mark)
     ids.remember(src, mark)
     return False, False
@@ -80,7 +92,7 @@ def fan_out(
         event = parse_event(raw)
         matched = targets(policies, event.subject)
     except ValidationError as exc:
-        return Fanout(rejected=_reason(exc))
+        return Fanout(rejected=invalid_reason(exc))
     except SpendgateError as exc:
         return Fanout(kind=None, rejected=str(exc))
     duplicate, settled = note(ids, src, event) if ids is not None else (False, False)

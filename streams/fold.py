@@ -1,0 +1,504 @@
+"""The worker's pure batch fold: raw usage records in; key states, Redis writes, alerts out.
+
+One fold serves the live worker, ``replay`` and ``simulate``. Per record it does what the
+per-record path (``fan_out``, then per budget key ``apply`` and ``evaluate``) does, in the
+same order, so batch boundaries change nothing: every event is applied and its alerts are
+evaluated one at a time; only the *writes* are per batch (one table value and one Redis
+write per touched key).
+
+Where a key is accounted: a *local* key (:func:`tenant_scoped` by default) only ever sees
+events of one tenant, and ``budget.usage`` is keyed by tenant, so all its events live in
+one source partition and :func:`fold_usage` applies them right there. Every other key is
+*remote*: :func:`fold_usage` returns one :class:`streams.remote.RemoteBatch` per (key,
+source partition), and :func:`fold_keyed` applies those where the keyed topic delivers
+them. Producer duplicates are dropped before either (``streams.dedupe``).
+
+Records refused because the key's state would outgrow ``max_value_bytes`` are refused one
+by one, as the per-record path refuses them: a cheap upper bound on the state's encoded size
+decides when a record needs the exact check (a snapshot before it, the encoding after it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, cast
+
+import orjson
+from pydantic import ValidationError
+
+from schemas import window_codec
+from schemas.alerts import Alert
+from schemas.events import Usage
+from schemas.exceptions import SpendgateError
+from schemas.fastdecode import Event, decode
+from schemas.matching import PolicyIndex, is_exact
+from schemas.policies import Policy
+from schemas.prices import PriceCatalog
+from schemas.types import Boundary
+from schemas.units import amount
+from schemas.windows import WindowSpec
+from streams.alerting import evaluate
+from streams.dedupe import IdStore, Position
+from streams.fanout import invalid_reason, note_ids
+from streams.ledger import Change, KeyedRecord, KeyState, apply
+from streams.remote import Entry, RemoteBatch
+
+__all__ = [
+    "Counts",
+    "FoldResult",
+    "KeyWrite",
+    "KeyedMessage",
+    "Load",
+    "Refusal",
+    "Rules",
+    "UsageRecord",
+    "fold_keyed",
+    "fold_usage",
+    "tenant_scoped",
+]
+
+#: A key's stored state when the batch first touches it (empty when it has none).
+Load = Callable[[str], KeyState]
+
+
+class UsageRecord(NamedTuple):
+    """A record of ``budget.usage``: position, broker (``LogAppendTime``) ms, value."""
+
+    partition: int
+    offset: int
+    broker_ms: int
+    value: bytes
+
+
+class KeyedMessage(NamedTuple):
+    """A message of the keyed topic: its own position and value (a :class:`RemoteBatch`)."""
+
+    partition: int
+    offset: int
+    value: bytes
+
+
+def tenant_scoped(policy: Policy) -> bool:
+    """Whether every key of ``policy`` sees one tenant's events only (it is *local*).
+
+    True when ``group_by`` holds ``tenant``, or ``match`` pins ``tenant`` to one exact
+    (non-glob) value: such a key's events all carry one tenant, the record key of
+    ``budget.usage``, so they all live in one source partition.
+    """
+    return "tenant" in policy.group_by or is_exact(policy.match.get("tenant", "*"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One policy's figures, parsed once per policy version."""
+
+    policy: Policy
+    window_ms: int
+    bucket_ms: int
+    boundary: Boundary
+    limit: int
+    thresholds: tuple[float, ...]
+    local: bool
+
+
+class Rules:
+    """The policies in force and the prices, prepared once per policy version.
+
+    Args:
+        policies: the policies in force.
+        prices: the price catalog (``cost_usd`` policies), if any.
+        local: which policies' keys :func:`fold_usage` applies itself (default
+            :func:`tenant_scoped`; ``replay`` passes ``lambda p: True``: no hop).
+    """
+
+    def __init__(
+        self,
+        policies: Iterable[Policy],
+        prices: PriceCatalog | None,
+        *,
+        local: Callable[[Policy], bool] = tenant_scoped,
+    ) -> None:
+        self.index = PolicyIndex(policies)
+        self.prices = prices
+        self._plans = {
+            p.id: _Plan(p, p.window_ms, p.bucket_ms, p.boundary, p.limit, tuple(p.alerts), local(p))
+            for p in self.index.policies
+        }
+
+    def plan(self, policy: Policy) -> _Plan:
+        """The prepared figures of one of these policies."""
+        return self._plans[policy.id]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A record for ``budget.dlq``: why, the record's bytes and where it was read."""
+
+    reason: str
+    raw: bytes
+    topic: Literal["usage", "keyed"]
+    partition: int
+    offset: int
+
+
+@dataclass(slots=True)
+class KeyWrite:
+    """What a batch did to one budget key: its final state and its one Redis write.
+
+    ``changed``: the table value (:meth:`table_value`) must be written (some record
+    applied); a key touched by redeliveries only needs its Redis write. The Redis write
+    (``streams.materialize.RedisMaterializer.absorb``): :meth:`window` (``None``: leave the
+    window as it is), ``absorbed`` reservation ids, ``version`` and ``spec``; due when
+    :attr:`redis_due`.
+    """
+
+    key: str
+    state: KeyState
+    spec: WindowSpec
+    changed: bool = False
+    window_changed: bool = False
+    absorbed: dict[str, None] = field(default_factory=dict)
+
+    @property
+    def redis_due(self) -> bool:
+        """Whether Redis needs a write for this key."""
+        return self.window_changed or bool(self.absorbed)
+
+    @property
+    def version(self) -> int:
+        """The version written beside the window (``KeyState.version``)."""
+        return self.state.version
+
+    def table_value(self) -> bytes:
+        """The table value (``KeyState.to_bytes``)."""
+        return self.state.to_bytes()
+
+    def window(self) -> bytes | None:
+        """The window for Redis, or ``None`` when no bucket changed over the batch."""
+        if not self.window_changed:
+            return None
+        return window_codec.encode(self.state.buckets, self.spec.bucket_ms)
+
+
+@dataclass(slots=True)
+class Counts:
+    """What the worker's metrics count, for one batch.
+
+    ``events``: usage records by (kind, outcome: counted, duplicate, dead_lettered; kind
+    ``invalid`` for records refused whole). ``outcomes``: per-key records by outcome
+    (applied, redelivery, late_dropped, too_large).
+    """
+
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
+    clamped: int = 0
+
+
+@dataclass(slots=True)
+class FoldResult:
+    """One batch's effects, for the worker to write, send and count before it acks.
+
+    ``writes`` per touched key in first-touch order; ``alerts`` and ``refusals`` in event
+    order; ``remote``: the keyed topic's messages (:func:`fold_usage` only), ordered by
+    source partition, then key by first touch.
+    """
+
+    writes: list[KeyWrite]
+    alerts: list[Alert]
+    refusals: list[Refusal]
+    remote: list[RemoteBatch]
+    counts: Counts
+
+
+#: Generous upper bounds of the JSON bytes one item of a key's state takes (see
+#: ``KeyState.to_bytes``): an id (<= 200 characters, <= 6 bytes each once escaped) with
+#: its quotes; a reservation (its id and three integers); an alert line; an offset.
+_ID_BYTES = 1_204
+_RES_BYTES = _ID_BYTES + 70
+_LINE_BYTES = 200
+_OFFSET_BYTES = 50
+_FIXED_BYTES = 5 + window_codec.HEADER_SIZE + 200
+
+
+def _may_outgrow(state: KeyState, rec: KeyedRecord, limit: int) -> bool:
+    """Whether ``state`` after ``rec`` (and its alerts) might encode to over ``limit`` bytes.
+
+    An upper bound, in O(1): one more bucket (12 bytes sparse), one more reservation, every
+    open reservation reported expired, every alert line crossed, one more offset.
+    """
+    lines = len(state.crossings) + len(state.above) + 2 * (len(rec.thresholds) + 1)
+    bound = (
+        _FIXED_BYTES
+        + 12 * (len(state.buckets) + 1)
+        + _RES_BYTES * (len(state.reservations) + 1)
+        + _ID_BYTES * (len(state.expired) + len(state.reservations) + 1)
+        + _LINE_BYTES * lines
+        + _OFFSET_BYTES * (len(state.offsets) + 1)
+    )
+    return bound > limit
+
+
+class _Origin(NamedTuple):
+    """Where a per-key record came from, for its dead letter (``raw`` None: the record)."""
+
+    raw: bytes | None
+    topic: Literal["usage", "keyed"]
+    partition: int
+    offset: int
+
+
+class _Fold:
+    """The per-batch accumulator shared by both entry points."""
+
+    def __init__(self, load: Load, max_value_bytes: int) -> None:
+        self.load = load
+        self.max_value_bytes = max_value_bytes
+        self.keys: dict[str, KeyWrite] = {}
+        self.alerts: list[Alert] = []
+        self.refusals: list[Refusal] = []
+        self.counts = Counts()
+
+    def refuse(self, reason: str, raw: bytes, origin: _Origin) -> None:
+        self.refusals.append(Refusal(reason, raw, origin.topic, origin.partition, origin.offset))
+
+    def account(self, rec: KeyedRecord, origin: _Origin) -> None:
+        """Apply one per-key record, as the worker's account stage does per record."""
+        touched = self.keys.get(rec.key)
+        if touched is None:
+            touched = self.keys[rec.key] = KeyWrite(rec.key, self.load(rec.key), rec.spec)
+        state = touched.state
+        guard = _may_outgrow(state, rec, self.max_value_bytes)
+        before = state.to_bytes() if guard else b""
+        change = apply(state, rec)
+        due = evaluate(state, rec) if change.outcome == "applied" else []
+        if guard and change.outcome != "redelivery":
+            size = len(state.to_bytes())
+            if size > self.max_value_bytes:
+                touched.state = KeyState.from_bytes(before)
+                self.counts.outcomes["too_large"] += 1
+                self.refuse(
+                    f"budget key {rec.key}: its state would be {size} bytes, over "
+                    f"max_value_bytes {self.max_value_bytes}; the record was not "
+                    f"applied (narrow the policy's window or widen its bucket)",
+                    _record_json(rec) if origin.raw is None else origin.raw,
+                    origin,
+                )
+                return
+        self.counts.outcomes[change.outcome] += 1
+        touched.changed |= change.outcome != "redelivery"
+        self._mirror(touched, change, rec.spec)
+        self.alerts += due
+
+    @staticmethod
+    def _mirror(touched: KeyWrite, change: Change, spec: WindowSpec) -> None:
+        # What RedisMaterializer.write does per record, gathered for one write per batch.
+        if change.buckets_changed or change.absorbed:
+            touched.spec = spec
+        touched.window_changed |= change.buckets_changed
+        if change.absorbed:
+            touched.absorbed[change.absorbed] = None
+
+    def result(self, remote: list[RemoteBatch]) -> FoldResult:
+        writes = [w for w in self.keys.values() if w.changed or w.redis_due]
+        return FoldResult(writes, self.alerts, self.refusals, remote, self.counts)
+
+
+def _record_json(rec: KeyedRecord) -> bytes:
+    return orjson.dumps(rec.to_json())
+
+
+class _Split:
+    """The usage side: decode, dedupe, match, then account locally or gather remotely."""
+
+    def __init__(
+        self, fold: _Fold, rules: Rules, ids: IdStore | None, max_future_skew_ms: int
+    ) -> None:
+        self.fold = fold
+        self.rules = rules
+        self.ids = ids
+        self.skew_ms = max_future_skew_ms
+        self.remote: dict[tuple[int, str], tuple[_Plan, list[Entry], list[int]]] = {}
+
+    def record(self, rec: UsageRecord) -> None:
+        origin = _Origin(rec.value, "usage", rec.partition, rec.offset)
+        counts = self.fold.counts
+        try:
+            event = decode(rec.value)
+            matched = self.rules.index.targets(event.subject)
+        except ValidationError as exc:
+            self._reject(invalid_reason(exc), origin)
+            return
+        except SpendgateError as exc:
+            self._reject(str(exc), origin)
+            return
+        pos = Position(rec.partition, rec.offset, rec.broker_ms)
+        duplicate, settled = (
+            note_ids(
+                self.ids,
+                pos,
+                event.subject.tenant,
+                event.event_id,
+                event.kind,
+                event.reservation_id,
+            )
+            if self.ids is not None
+            else (False, False)
+        )
+        if duplicate:
+            counts.duplicates += 1
+            counts.events[(event.kind, "duplicate")] += 1
+            return
+        clamped = event.occurred_ms > rec.broker_ms + self.skew_ms
+        occurred_ms = rec.broker_ms if clamped else event.occurred_ms
+        counts.events[(event.kind, "counted")] += 1
+        counts.clamped += clamped
+        due: list[tuple[str, _Plan, int]] = []
+        for target in matched:
+            plan = self.rules.plan(target.policy)
+            try:
+                due.append((target.key, plan, self._amount(plan, event)))
+            except SpendgateError as exc:
+                self.fold.refuse(f"policy {plan.policy.id}: {exc}", rec.value, origin)
+        settled = settled and event.kind == "reserve"
+        for key, plan, amt in due:
+            if plan.local:
+                self.fold.account(
+                    KeyedRecord(
+                        event_id=event.event_id,
+                        kind=event.kind,
+                        policy=plan.policy.id,
+                        key=key,
+                        occurred_ms=occurred_ms,
+                        amount=amt,
+                        window_ms=plan.window_ms,
+                        bucket_ms=plan.bucket_ms,
+                        limit=plan.limit,
+                        src_partition=rec.partition,
+                        src_offset=rec.offset,
+                        boundary=plan.boundary,
+                        thresholds=plan.thresholds,
+                        reservation_id=event.reservation_id,
+                        expires_ms=event.expires_ms,
+                        settled=settled,
+                        broker_ms=rec.broker_ms,
+                    ),
+                    origin,
+                )
+                continue
+            gathered = self.remote.get((rec.partition, key))
+            if gathered is None:
+                gathered = self.remote[(rec.partition, key)] = (plan, [], [])
+            gathered[1].append(
+                (
+                    rec.offset,
+                    event.kind,
+                    occurred_ms,
+                    amt,
+                    event.reservation_id,
+                    event.expires_ms,
+                    settled,
+                    event.event_id,
+                )
+            )
+            gathered[2].append(rec.broker_ms)
+
+    def _reject(self, reason: str, origin: _Origin) -> None:
+        assert origin.raw is not None
+        self.fold.counts.events[("invalid", "dead_lettered")] += 1
+        self.fold.refuse(reason, origin.raw, origin)
+
+    def _amount(self, plan: _Plan, event: Event) -> int:
+        if event.usage is None:
+            return 0
+        # The fast-decoded usage has Usage's attributes, which is all ``amount`` reads.
+        usage = cast(Usage, event.usage)
+        return amount(plan.policy, usage, self.rules.prices, model=event.subject.model)
+
+    def batches(self) -> list[RemoteBatch]:
+        return [
+            RemoteBatch(
+                key=key,
+                policy=plan.policy.id,
+                window_ms=plan.window_ms,
+                bucket_ms=plan.bucket_ms,
+                boundary=plan.boundary,
+                limit=plan.limit,
+                thresholds=plan.thresholds,
+                src_partition=partition,
+                last_offset=max(e[0] for e in entries),
+                broker_ms=max(broker),
+                entries=tuple(entries),
+            )
+            for (partition, key), (plan, entries, broker) in sorted(
+                self.remote.items(), key=lambda item: item[0][0]
+            )
+        ]
+
+
+def fold_usage(
+    records: Sequence[UsageRecord],
+    load: Load,
+    rules: Rules,
+    *,
+    max_future_skew_ms: int,
+    max_value_bytes: int,
+    ids: IdStore | None = None,
+) -> FoldResult:
+    """Fold a batch of ``budget.usage`` records (in offset order per partition).
+
+    Per record, as the per-record path: decode (dead letter when invalid), dedupe with
+    ``ids`` (``ids.advance`` after each record, valid or not), match, derive each key's
+    amount (a policy that cannot price the event dead-letters it for that policy only),
+    clamp a future ``occurred_at``; then apply it to each local key, or gather it for the
+    key's :class:`RemoteBatch`.
+
+    Args:
+        records: the batch.
+        load: the stored state of a key the batch has not touched yet.
+        rules: the policies and prices (:class:`Rules`, one per policy version).
+        max_future_skew_ms: how far ``occurred_at`` may lie after the broker time.
+        max_value_bytes: the largest table value; a record that would make a key's state
+            larger is refused (dead letter) and changes nothing.
+        ids: the dedupe set; the caller rebuilds a partition's ids first when its first
+            record of the batch lies past ``ids.covered(partition) + 1``.
+
+    Returns:
+        The batch's effects (:class:`FoldResult`).
+    """
+    fold = _Fold(load, max_value_bytes)
+    split = _Split(fold, rules, ids, max_future_skew_ms)
+    for rec in records:
+        split.record(rec)
+        if ids is not None:
+            ids.advance(Position(rec.partition, rec.offset, rec.broker_ms))
+    return fold.result(split.batches())
+
+
+def fold_keyed(messages: Sequence[KeyedMessage], load: Load, *, max_value_bytes: int) -> FoldResult:
+    """Fold a batch of keyed-topic messages: each entry applied and evaluated in order.
+
+    A message that is not a :class:`RemoteBatch` is refused whole (dead letter). Entries
+    at or below their key's offset for their source partition are redeliveries.
+
+    Args:
+        messages: the batch, in the keyed topic's order.
+        load: the stored state of a key the batch has not touched yet.
+        max_value_bytes: as in :func:`fold_usage`.
+
+    Returns:
+        The batch's effects (``remote`` is empty).
+    """
+    fold = _Fold(load, max_value_bytes)
+    for msg in messages:
+        origin = _Origin(None, "keyed", msg.partition, msg.offset)
+        try:
+            batch = RemoteBatch.from_bytes(msg.value)
+        except ValueError as exc:
+            fold.refuse(str(exc), msg.value, origin)
+            continue
+        for rec in batch.records():
+            fold.account(rec, origin)
+    return fold.result([])
