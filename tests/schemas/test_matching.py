@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas import Policy, Subject, budget_key, matches
+from schemas import MissingGroupByField, Policy, PolicyIndex, Subject, budget_key, matches, targets
 
 NASTY = "|=%{}\"'\\"
 values = st.text(
@@ -83,3 +83,60 @@ class TestMatches:
         assert not matches(policy, chosen.model_copy(update={"model": "Claude-opus-4"}))
         assert not matches(policy, chosen.model_copy(update={"labels": {}}))
         assert not matches(policy, chosen.model_copy(update={"model": None}))
+
+
+FIELD_VALUES = st.sampled_from(["a", "b", "ab", "m1", "m2"])
+PATTERNS = FIELD_VALUES | st.sampled_from(["a*", "m?", "[ab]", "*", "m[!1]"])
+MATCH_FIELDS = ["tenant", "model", "api_key", "labels.x"]
+
+
+@st.composite
+def policy_sets(draw: st.DrawFn) -> list[Policy]:
+    out = []
+    for n in range(draw(st.integers(0, 12))):
+        match = draw(st.dictionaries(st.sampled_from(MATCH_FIELDS), PATTERNS, max_size=3))
+        group_by = draw(st.lists(st.sampled_from(MATCH_FIELDS), unique=True, max_size=2))
+        out.append(
+            Policy.model_validate(
+                {"id": f"p{draw(st.integers(0, 99)):02d}-{n}", "unit": "requests", "limit": 1,
+                 "match": match, "group_by": group_by}
+            )
+        )  # fmt: skip
+    return out
+
+
+@st.composite
+def subjects(draw: st.DrawFn) -> Subject:
+    values = {f: draw(st.none() | FIELD_VALUES) for f in ("tenant", "model", "api_key")}
+    label = draw(st.none() | FIELD_VALUES)
+    return Subject(**{k: v for k, v in values.items() if v}, labels={"x": label} if label else {})
+
+
+def outcome(find: Any) -> Any:
+    try:
+        return [(t.policy.id, t.key) for t in find()]
+    except MissingGroupByField as exc:
+        return str(exc)
+
+
+class TestPolicyIndex:
+    @given(policies=policy_sets(), subject=subjects())
+    def test_it_finds_what_a_scan_finds_in_the_same_order(
+        self, policies: list[Policy], subject: Subject
+    ) -> None:
+        index = PolicyIndex(policies)
+        assert outcome(lambda: index.targets(subject)) == outcome(
+            lambda: targets(policies, subject)
+        )
+
+    def test_policies_are_filed_by_an_exact_field_and_globs_are_scanned(self) -> None:
+        exact = Policy.model_validate(
+            {"id": "e", "unit": "requests", "limit": 1, "match": {"model": "m*", "tenant": "a"}}
+        )
+        glob = Policy.model_validate(
+            {"id": "g", "unit": "requests", "limit": 1, "match": {"model": "m*"}}
+        )
+        index = PolicyIndex([glob, exact])
+        assert [p.id for p in index.matching(Subject(tenant="a", model="m1"))] == ["e", "g"]
+        assert [p.id for p in index.matching(Subject(tenant="b", model="m1"))] == ["g"]
+        assert [p.id for p in index.matching(Subject(tenant="a", model="x"))] == []
