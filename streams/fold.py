@@ -59,7 +59,8 @@ __all__ = [
     "tenant_scoped",
 ]
 
-#: A key's stored state when the batch first touches it (empty when it has none).
+#: A key's stored state when the batch first touches it (empty when it has none); the fold
+#: changes it in place.
 Load = Callable[[str], KeyState]
 
 
@@ -277,7 +278,7 @@ class _Fold:
         if guard and change.outcome != "redelivery":
             size = len(state.to_bytes())
             if size > self.max_value_bytes:
-                touched.state = KeyState.from_bytes(before)
+                _restore(state, before)
                 self.counts.outcomes["too_large"] += 1
                 self.refuse(
                     f"budget key {rec.key}: its state would be {size} bytes, over "
@@ -304,6 +305,13 @@ class _Fold:
     def result(self, remote: list[RemoteBatch]) -> FoldResult:
         writes = [w for w in self.keys.values() if w.changed or w.redis_due]
         return FoldResult(writes, self.alerts, self.refusals, remote, self.counts)
+
+
+def _restore(state: KeyState, before: bytes) -> None:
+    """Put ``state`` back as ``before`` encodes it, in place (``load`` may share it)."""
+    restored = KeyState.from_bytes(before)
+    for name in KeyState.__slots__:
+        setattr(state, name, getattr(restored, name))
 
 
 def _record_json(rec: KeyedRecord) -> bytes:

@@ -1,14 +1,17 @@
 """Rebuild every budget key's state from the usage topic, and restore or verify Redis.
 
-The same pure code as the worker runs here (``fan_out``, ``apply``, ``evaluate``) over
-the topic read from the beginning (or from a timestamp), so the result is what the
-worker computes. Stop the workers before restoring; ``--verify`` only reads.
+The worker's own pure fold (``streams.fold.fold_usage``) runs here straight on aiokafka
+batches (no faust), over the topic read from the beginning (or from a timestamp), so the
+result is what the worker computes. Every key is folded locally (one process sees every
+partition: no keyed hop). Nothing is written until the end: Redis is restored (or
+compared, ``verify``) once, and alerts are published only when asked. Stop the workers
+before restoring; ``--verify`` only reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -18,14 +21,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from schemas import window_codec
 from schemas.alerts import Alert
 from schemas.policies import Policy
-from schemas.prices import PriceCatalog, load_catalog
+from schemas.prices import load_catalog
 from schemas.redis_keys import window_key
 from schemas.windows import WindowSpec
-from streams.alerting import evaluate
-from streams.dedupe import IdStore, Position
-from streams.fanout import fan_out
+from streams.dedupe import IdStore
+from streams.fold import FoldResult, Rules, UsageRecord, fold_usage
 from streams.kafka_util import assign, partitions, stop
-from streams.ledger import KeyedRecord, KeyState, apply
+from streams.ledger import KeyState
 from streams.materialize import RedisMaterializer
 from streams.policybook import read_policies
 from streams.settings import WorkerSettings
@@ -51,11 +53,30 @@ class ReplaySummary:
 
 @dataclass
 class Rebuilt:
-    """The rebuilt state of every budget key and the record that last touched it."""
+    """The rebuilt state of every budget key, its window and the reservations it absorbed."""
 
     states: dict[str, KeyState] = field(default_factory=dict)
-    last: dict[str, KeyedRecord] = field(default_factory=dict)
+    specs: dict[str, WindowSpec] = field(default_factory=dict)
     absorbed: dict[str, set[str]] = field(default_factory=dict)
+
+    def load(self, key: str) -> KeyState:
+        """A key's state so far (the fold's ``load``)."""
+        return self.states.get(key) or KeyState()
+
+    def take(self, result: FoldResult, summary: ReplaySummary) -> None:
+        """Keep one fold batch's effects."""
+        for write in result.writes:
+            self.states[write.key] = write.state
+            self.specs[write.key] = write.spec
+            if write.absorbed:
+                self.absorbed.setdefault(write.key, set()).update(write.absorbed)
+        counts = result.counts
+        summary.dead_lettered += len(result.refusals)
+        summary.clamped += counts.clamped
+        summary.duplicates += counts.duplicates
+        for outcome, n in counts.outcomes.items():
+            summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + n
+        summary.alerts += result.alerts
 
 
 async def _read(
@@ -67,6 +88,7 @@ async def _read(
 ) -> dict[str, Policy]:
     policies = await read_policies(settings.kafka_bootstrap, settings.topic("policies"))
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
+    rules = Rules(policies.values(), prices, local=lambda policy: True)
     longest = max((p.window_ms for p in policies.values()), default=0)
     # The same id set as the worker, in a temporary folder: duplicates count as they did live.
     ids = IdStore(None, settings.horizon_ms(longest), settings.dedupe_memory_mb << 20)
@@ -90,63 +112,31 @@ async def _read(
         remaining = {tp for tp in tps if start[tp] < end[tp]}
         while remaining:
             batch = await consumer.getmany(*remaining, timeout_ms=1000)
+            records: list[UsageRecord] = []
             for tp, messages in batch.items():
-                for msg in messages:
-                    if msg.offset >= end[tp]:
-                        break
-                    summary.records += 1
-                    _one(
-                        msg.value or b"",
-                        Position(msg.partition, msg.offset, msg.timestamp),
-                        policies.values(),
-                        prices,
-                        ids,
-                        settings,
-                        rebuilt,
-                        summary,
-                    )
+                records += [
+                    UsageRecord(m.partition, m.offset, m.timestamp, m.value or b"")
+                    for m in messages
+                    if m.offset < end[tp]
+                ]
                 if messages and messages[-1].offset + 1 >= end[tp]:
                     remaining.discard(tp)
+            summary.records += len(records)
+            result = fold_usage(
+                records,
+                rebuilt.load,
+                rules,
+                max_future_skew_ms=settings.max_future_skew_ms,
+                max_value_bytes=settings.max_value_bytes,
+                ids=ids,
+            )
+            rebuilt.take(result, summary)
             if progress is not None:
                 progress(summary.records, total)
     finally:
         await stop(consumer)
         ids.close()
     return policies
-
-
-def _one(
-    raw: bytes,
-    pos: Position,
-    policies: Iterable[Policy],
-    prices: PriceCatalog | None,
-    ids: IdStore,
-    settings: WorkerSettings,
-    rebuilt: Rebuilt,
-    summary: ReplaySummary,
-) -> None:
-    out = fan_out(
-        raw,
-        broker_ms=pos.arrival_ms,
-        policies=policies,
-        prices=prices,
-        max_future_skew_ms=settings.max_future_skew_ms,
-        src=pos,
-        ids=ids,
-    )
-    ids.advance(pos)
-    summary.dead_lettered += 1 if out.rejected else len(out.partial)
-    summary.clamped += int(out.clamped)
-    summary.duplicates += int(out.duplicate)
-    for rec in out.records:
-        state = rebuilt.states.setdefault(rec.key, KeyState())
-        change = apply(state, rec)
-        summary.outcomes[change.outcome] = summary.outcomes.get(change.outcome, 0) + 1
-        rebuilt.last[rec.key] = rec
-        if change.absorbed:
-            rebuilt.absorbed.setdefault(rec.key, set()).add(change.absorbed)
-        if change.outcome == "applied":
-            summary.alerts += evaluate(state, rec)
 
 
 async def replay(
@@ -173,7 +163,7 @@ async def replay(
     materializer = RedisMaterializer(client, settings.redis_prefix)
     try:
         for key, state in sorted(rebuilt.states.items()):
-            spec: WindowSpec = rebuilt.last[key].spec
+            spec = rebuilt.specs[key]
             wkey = window_key(settings.redis_prefix, key)
             if verify:
                 live = await client.get(wkey)
