@@ -27,6 +27,7 @@ Version 1 (a JSON object that also kept every event id seen) is read and convert
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -47,6 +48,12 @@ Outcome = Literal["applied", "redelivery", "late_dropped"]
 #: The table value format written by :meth:`KeyState.to_bytes`.
 STATE_VERSION = 2
 _LEN = struct.Struct("<I")
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec(window_ms: int, bucket_ms: int, boundary: Boundary) -> WindowSpec:
+    # Checked once per policy window rather than on every record (specs are immutable).
+    return WindowSpec(window_ms, bucket_ms, boundary)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +87,7 @@ class KeyedRecord:
     @property
     def spec(self) -> WindowSpec:
         """The policy's window as the engine wants it."""
-        return WindowSpec(self.window_ms, self.bucket_ms, self.boundary)
+        return _spec(self.window_ms, self.bucket_ms, self.boundary)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the repartition topic's value)."""
