@@ -10,11 +10,10 @@ After Redis comes back empty (restart without persistence, or FLUSHDB), the prob
 an estimate that *fits an empty window* but not the real one (900 of 1,000 used, 200
 asked): a decision on the wiped window admits it, so an over-admit fails the test. While
 the worker has not rewritten the windows, the only honest answers are 503 (closed: the
-state cannot be vouched for) or 429 (the window is known again); 200 is the defect
-(issue 16 defect 2). After a restart admission answers 503 today (its connections fail
-and it re-reads the policies first); after a FLUSHDB it admits on the wiped window, so
-that test is xfail-strict until the defect is fixed. Once the worker's marker check has
-rewritten the windows, exactly 429 for 200 and 200 for the 100 that still fit.
+state cannot be vouched for) or 429 (the window is known again); 200 would be a decision
+on the wiped window (issue 16 defect 2, fixed by the applied marks the admission script
+checks: ``schemas.shards``). Once the worker has rewritten the windows and caught up,
+exactly 429 for 200 and 200 for the 100 that still fit.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from tests.faults.conftest import (
 from tests.fixtures.admission import OwnRedis
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, pending_sum, produce
-from tests.fixtures.pipeline import Workers
+from tests.fixtures.pipeline import Workers, all_marked
 from tests.fixtures.workload import generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -58,8 +57,11 @@ async def _apply(settings: WorkerSettings, client: redis.Redis, *policies: Polic
     await publish_policies(settings, list(policies))
     wanted = {p.id for p in policies}
     await eventually(
-        lambda: wanted <= {k.decode() for k in client.hkeys(f"{settings.redis_prefix}policies")},
-        what="policies materialized",
+        lambda: (
+            wanted <= {k.decode() for k in client.hkeys(f"{settings.redis_prefix}policies")}
+            and all_marked(client, settings.redis_prefix)
+        ),
+        what="policies materialized, every partition vouched for",
     )
 
 
@@ -105,7 +107,6 @@ def own_workers(own_settings: WorkerSettings, tmp_path: Path) -> Iterator[Worker
     factory.stop_all()
 
 
-DEFECT_2 = "issue 16 defect 2: admission decides on a wiped window"
 #: Already charged on the closed policy's key before Redis loses its data (limit 1,000).
 USED = 900
 #: Fits an empty window (200 <= 1,000), not the real one (900 + 200 > 1,000).
@@ -137,12 +138,13 @@ async def _ready(http: httpx.AsyncClient) -> bool:
 
 
 async def _closed_used(http: httpx.AsyncClient) -> int | None:
-    """``used`` of the closed key as admission reports it (GET /v1/budgets), or None."""
+    """``used`` of the closed key as admission reports it (GET /v1/budgets), or None
+    while its window is not vouched for (``state`` set)."""
     answer = await http.get("/v1/budgets", params={"tenant": "acme", "model": "m1", "env": "c"})
     if answer.status_code != 200:
         return None
     for item in answer.json().get("budgets", []):
-        if item["key"] == CLOSED_KEY:
+        if item["key"] == CLOSED_KEY and item.get("state") is None:
             return int(item["used"])
     return None
 
@@ -312,7 +314,6 @@ class TestRedisLoss:
         # 503: closed, the wiped state cannot be vouched for; 429: over the limit.
         assert answer.status_code in (503, 429), answer.text
 
-    @pytest.mark.xfail(strict=True, reason=DEFECT_2)
     async def test_right_after_a_flush_admission_does_not_decide_on_the_wiped_window(
         self,
         own_redis: OwnRedis,
