@@ -46,7 +46,9 @@ SCENARIOS: dict[str, tuple[str, str]] = {
           "decisions from Redis, bounded buffer, closed refuses only when full; every "
           "published reservation counted once."),
     "3": ("Redis loss during load", "Redis stopped and restarted empty (and flushed): "
-          "failure modes per policy; `spendgate replay` rebuilds the windows."),
+          "failure modes per policy; `spendgate replay` rebuilds the windows; a flush under "
+          "200 racing admits admits nothing over the limit; a stopped worker's windows turn "
+          "stale and the failure mode answers."),
     "4": ("Duplicate delivery", "The same records delivered three times (idempotent and "
           "non-idempotent producers), same-id records with other bodies, repeated admits "
           "and commits: counted once."),
