@@ -53,6 +53,7 @@ from admission.exceptions import (
     UnknownReservation,
     Unprocessable,
     UnsupportedMediaType,
+    Unvouched,
 )
 from admission.fallback import DegradedLedger, LocalReservation, strictest
 from admission.metrics import (
@@ -64,6 +65,7 @@ from admission.metrics import (
     REDIS_CALLS,
     SETTLE_LATENCY,
     SETTLEMENTS,
+    UNVOUCHED,
 )
 from admission.publisher import UsagePublisher
 from admission.reserves import DEFAULT_TTL_MS, reserve_event
@@ -110,10 +112,13 @@ def _error(
     message: str,
     field: str | None = None,
     headers: dict[str, str] | None = None,
+    state: str | None = None,
 ) -> JSONResponse:
     body: dict[str, Any] = {"code": code, "message": message}
     if field is not None:
         body["field"] = field
+    if state is not None:
+        body["state"] = state
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
@@ -228,9 +233,16 @@ def _statuses(charges: tuple[Charge, ...], keys: tuple[KeyState, ...]) -> list[B
                 remaining=max(0, p.limit - state.used - held),
                 window_seconds=p.window_ms // 1000,
                 reset_after_seconds=_seconds(state.reset_after_ms),
+                state=None if state.state == "vouched" else state.state,
             )
         )
     return out
+
+
+def _worst(states: list[KeyState]) -> Literal["missing", "stale"] | None:
+    """The worst state among ``states`` (None when every window is vouched for)."""
+    seen = {s.state for s in states}
+    return "missing" if "missing" in seen else "stale" if "stale" in seen else None
 
 
 def ratelimit_headers(budgets: list[BudgetStatus]) -> dict[str, str]:
@@ -354,7 +366,8 @@ def create_app(
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         if exc.status == 503:
             headers = {"Retry-After": "1"}
-        return _error(exc.status, exc.code, exc.message, exc.field, headers)
+        state = exc.state if isinstance(exc, Unvouched) else None
+        return _error(exc.status, exc.code, exc.message, exc.field, headers, state)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -400,7 +413,39 @@ def create_app(
         DECISIONS.labels(decision=decision.decision).inc()
         return JSONResponse(decision.model_dump(mode="json", exclude_none=True), status, headers)
 
+    def _unvouched(body: AdmitRequest, plans: list[Plan], result: AdmitResult) -> JSONResponse:
+        """Answer a request the script would not decide: a window it depends on is not
+        vouched for, and its policy fails closed (503) or degraded (this process's own
+        allowance, as when Redis is unreachable)."""
+        blocking = [
+            (c, k)
+            for c, k in zip(plans[result.plan].charges, result.keys, strict=True)
+            if k.state != "vouched"
+            and c.target.policy.mode == "enforce"
+            and c.target.policy.failure != "open"
+        ]
+        state = _worst([k for _, k in blocking]) or "missing"
+        keys = ", ".join(c.target.key for c, _ in blocking)
+        why = (
+            f"budget state for {keys} is {state} in Redis ("
+            + (
+                "lost; the worker is restoring it"
+                if state == "missing"
+                else "its worker is dead or behind"
+            )
+            + ")"
+        )
+        closed = [c.target.policy.id for c, _ in blocking if c.target.policy.failure == "closed"]
+        if closed:
+            UNVOUCHED.labels(state=state, mode="refused").inc()
+            DECISIONS.labels(decision="error").inc()
+            raise Unvouched(f"{why}; policy {', '.join(sorted(set(closed)))} fails closed", state)
+        UNVOUCHED.labels(state=state, mode="degraded").inc()
+        return _fallback(body, plans, StoreUnavailable(why), [c for c, _ in blocking])
+
     def _from_result(body: AdmitRequest, plans: list[Plan], result: AdmitResult) -> JSONResponse:
+        if result.outcome == "unvouched":
+            return _unvouched(body, plans, result)
         plan = plans[result.plan] if result.plan < len(plans) else None
         if plan is None or len(plan.charges) != len(result.keys):
             # Replayed after the policies changed: the reservation stands, the per-key
@@ -422,6 +467,9 @@ def create_app(
             else max(1, _seconds(result.retry_after_ms))
         )
         label: Literal["allow", "cap", "downgrade", "observe_reject", "reject"] = result.outcome
+        state = _worst(list(result.keys))
+        if state is not None and not result.replayed:
+            UNVOUCHED.labels(state=state, mode="open").inc()
         if result.outcome != "reject" and result.plan > 0:
             label = "downgrade"
         decision = Decision(
@@ -433,6 +481,7 @@ def create_app(
             retry_after_seconds=retry_s,
             never_fits=result.never_fits,
             budgets=budgets,
+            state=state,
         )
         if result.outcome == "reject":
             return _answer(decision, 429, {})
@@ -453,12 +502,18 @@ def create_app(
             )
         return _answer(decision, 200, {})
 
-    def _fallback(body: AdmitRequest, plans: list[Plan], why: StoreUnavailable) -> JSONResponse:
-        """Answer without Redis, following the strictest failure mode."""
+    def _fallback(
+        body: AdmitRequest,
+        plans: list[Plan],
+        why: StoreUnavailable,
+        only: list[Charge] | None = None,
+    ) -> JSONResponse:
+        """Answer without Redis, following the strictest failure mode of the request's
+        keys (or of ``only`` those: the keys whose window Redis cannot vouch for)."""
         previous = local.answers.get((body.subject.tenant, body.request_id))
         if previous is not None:
             return JSONResponse(previous[0], previous[1], previous[2])
-        charges = plans[0].charges
+        charges = tuple(only) if only is not None else plans[0].charges
         policies = [c.target.policy for c in charges]
         mode = strictest(policies)
         if mode == "closed":

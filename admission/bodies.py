@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.decisions import BudgetStatus
+from schemas.decisions import BudgetStatus, UnvouchedState
 from schemas.events import Usage
 from schemas.types import Identifier
 
@@ -57,6 +57,8 @@ class ErrorDetail(BaseModel):
     code: str
     message: str
     field: str | None = None
+    #: With ``state_unvouched``: ``missing`` or ``stale``.
+    state: UnvouchedState | None = None
 
 
 class ErrorBody(BaseModel):

@@ -105,6 +105,21 @@ class StoreUnavailable(AdmissionError):
     retriable = True
 
 
+class Unvouched(AdmissionError):
+    """Redis holds no budget window its worker vouches for (``state``: ``missing`` after a
+    loss of Redis data, until the worker restored it and caught up; ``stale`` when the
+    worker is dead or far behind) and the policy fails closed: retry after ``Retry-After``,
+    and check the worker (``spendgate_worker_*`` metrics) if it persists."""
+
+    status = 503
+    code = "state_unvouched"
+    retriable = True
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
 class Overloaded(AdmissionError):
     """This process is saturated (its queue of Redis calls is full, or a call waited too long
     for a connection or for the event loop): retry the same call after ``Retry-After`` (a

@@ -32,6 +32,12 @@ REDIS_CALLS = Gauge(
     "Redis calls of this process by state: running (holding a connection) or waiting.",
     ["state"],
 )
+UNVOUCHED = Counter(
+    "spendgate_admission_unvouched_total",
+    "Admits touching a budget window its worker did not vouch for, by state and by what "
+    "the failure mode made of it (refused, open, degraded).",
+    ["state", "mode"],
+)
 FALLBACK_ADMITS = Counter(
     "spendgate_admission_fallback_total",
     "Admits answered without Redis, by failure mode and result.",

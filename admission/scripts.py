@@ -35,6 +35,9 @@ class AdmitHeader:
         estimate_json: the estimate as sent (JSON), kept in the reservation record so
             its ``reserve`` event can be rebuilt (``admission.reserves``).
         plans: how many plans follow.
+        staleness_ms: a mark older than this (Redis clock) is stale.
+        marks: the mark fields (``schemas.shards``) the targets' ``deps`` refer to; they
+            follow this header in ARGV, before the first plan.
     """
 
     read_only: bool
@@ -44,6 +47,8 @@ class AdmitHeader:
     estimate_output_tokens: int
     estimate_json: str
     plans: int
+    staleness_ms: int
+    marks: tuple[str, ...]
 
     def argv(self) -> list[ArgValue]:
         """The entries, encoded as the script reads them."""
@@ -55,6 +60,9 @@ class AdmitHeader:
             self.estimate_output_tokens,
             self.estimate_json,
             self.plans,
+            self.staleness_ms,
+            len(self.marks),
+            *self.marks,
         ]
 
 
@@ -64,7 +72,9 @@ class AdmitTarget:
 
     ``on_exceed``: 0 reject, 1 cap, 2 downgrade; ``downgrade_plan``: the 1-based index of
     the plan to try when this key refuses (0 none); the amount at ``o`` output tokens is
-    ``ceil((cap_s + o * cap_r) / cap_d)``.
+    ``ceil((cap_s + o * cap_r) / cap_d)``; ``deps``: the 1-based indexes into the header's
+    ``marks`` this key's window depends on; ``failure``: the policy's failure mode, 0
+    closed, 1 open, 2 degraded (what an unvouched window means).
     """
 
     limit: int
@@ -79,6 +89,8 @@ class AdmitTarget:
     cap_s: int
     cap_r: int
     cap_d: int
+    deps: tuple[int, ...]
+    failure: int
 
     def argv(self) -> list[ArgValue]:
         """The entries, encoded as the script reads them."""
@@ -95,20 +107,22 @@ class AdmitTarget:
             self.cap_s,
             self.cap_r,
             self.cap_d,
+            ",".join(str(d) for d in self.deps),
+            self.failure,
         ]
 
 
-#: ARGV entries before the first plan in :data:`ADMIT`.
-ADMIT_HEADER_ARGS = len(fields(AdmitHeader))
+#: ARGV entries before the mark fields in :data:`ADMIT` (``marks`` is sent as its count).
+ADMIT_HEADER_ARGS = len(fields(AdmitHeader)) + 1
 #: ARGV entries per budget key in :data:`ADMIT`.
 ADMIT_ARGS_PER_TARGET = len(fields(AdmitTarget))
 #: KEYS entries before the first target in :data:`ADMIT`: the request's answer, the
-#: reservation record, the unpublished reserves.
-ADMIT_HEADER_KEYS = 3
+#: reservation record, the unpublished reserves, the applied marks.
+ADMIT_HEADER_KEYS = 4
 #: KEYS entries per budget key in :data:`ADMIT`: window, pending window, pending reservations.
 ADMIT_KEYS_PER_TARGET = 3
 #: Reply entries per budget key of the reported plan.
-ADMIT_REPLY_PER_TARGET = 5
+ADMIT_REPLY_PER_TARGET = 6
 
 # Check every matching budget key and reserve on all of them, or on none.
 #
@@ -122,7 +136,9 @@ ADMIT_REPLY_PER_TARGET = 5
 # KEYS[2]              the reservation record (hash: subject, plan, settled, and the
 #                      reserve event's usage, at, out, ttl; see schemas/redis_keys.py)
 # KEYS[3]              the unpublished reserves (sorted set: reservation id -> ms)
-# KEYS[4..]            for each plan in order, for each of its targets, 3 keys: the
+# KEYS[4]              the applied marks (hash: partition mark -> watermark ms, written
+#                      by the worker; see schemas/shards.py)
+# KEYS[5..]            for each plan in order, for each of its targets, 3 keys: the
 #                      window (a string in the schemas.window_codec layout, written by the
 #                      stream processor), the pending window (hash: a bucket's last ms ->
 #                      amount pending there) and the pending reservations (hash:
@@ -132,18 +148,29 @@ ADMIT_REPLY_PER_TARGET = 5
 # ARGV[1] read-only (1: evaluate plan 1, reserve and store nothing, ignore KEYS[1])
 # ARGV[2] reservation id      ARGV[3] idempotency ttl ms   ARGV[4] record ttl ms
 # ARGV[5] the estimate's output tokens (for cap)           ARGV[6] the estimate (JSON)
-# ARGV[7] number of plans
-# per plan: subject JSON (stored in the record), n targets, then per target 12 entries:
+# ARGV[7] number of plans     ARGV[8] staleness bound ms     ARGV[9] m, number of marks
+# ARGV[10..9+m] the mark fields the targets depend on
+# per plan: subject JSON (stored in the record), n targets, then per target 14 entries:
 #   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms (only the reserve
 #   event's expires_at uses it: a pending amount ages out with its bucket, expired or
 #   not), observe (0/1), on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index
 #   (0 none), cap_s, cap_r, cap_d: the amount at o output tokens is
-#   ceil((cap_s + o*cap_r) / cap_d) (cap_r = 0: capping output does not lower this amount)
-# Returns {replayed (0/1), outcome (0 reject, 1 allow, 2 cap, 3 observe_reject), now_ms,
+#   ceil((cap_s + o*cap_r) / cap_d) (cap_r = 0: capping output does not lower this amount),
+#   deps (comma-separated indexes of the marks the window depends on), failure (0 closed,
+#   1 open, 2 degraded)
+# Returns {replayed (0/1), outcome (0 reject, 1 allow, 2 cap, 3 observe_reject,
+#          5 unvouched), now_ms,
 #          retry_after_ms (-1 none, -2 never fits), reservation id, plan index,
 #          max output tokens (-1 none), n, then per target of the reported plan:
 #          used, reserved by others, own (reserved by this request), violated (0/1),
-#          reset_after_ms}
+#          reset_after_ms, state (0 vouched, 1 stale, 2 missing)}
+#
+# State that cannot be vouched for: a key whose marks are missing (Redis lost its data and
+# the worker has not restored and caught up) or older than the staleness bound (its
+# worker is dead or behind) is decided by its policy's failure mode, here in the same
+# atomic step: ``open`` keys do not refuse (they still hold the reservation), ``closed``
+# and ``degraded`` keys make the outcome ``unvouched`` (nothing reserved; the caller
+# answers from the failure mode). Observe keys never refuse, so their state only shows.
 # An answer that reserved is stored and a repeat returns it verbatim; a reject holds
 # nothing and is decided anew. Time is the Redis server clock (TIME), never the caller's.
 #
@@ -178,9 +205,26 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[2]
 local est_out = tonumber(ARGV[5])
 local nplans = tonumber(ARGV[7])
+local nmarks = tonumber(ARGV[9])
+local mark_state = {}
+if nmarks > 0 then
+  local names = {}
+  for i = 1, nmarks do names[i] = ARGV[9 + i] end
+  local seen = redis.call('HMGET', KEYS[4], unpack(names))
+  local oldest = now - tonumber(ARGV[8])
+  for i = 1, nmarks do
+    if not seen[i] then
+      mark_state[i] = 2
+    elseif tonumber(seen[i]) < oldest then
+      mark_state[i] = 1
+    else
+      mark_state[i] = 0
+    end
+  end
+end
 
 -- Parse every plan; window state is read only for the plans evaluated.
-local plans, a, k = {}, 8, 4
+local plans, a, k = {}, 10 + nmarks, 5
 for p = 1, nplans do
   local plan = {subject = ARGV[a], n = tonumber(ARGV[a + 1]), targets = {}}
   a = a + 2
@@ -193,8 +237,13 @@ for p = 1, nplans do
       observe = ARGV[a + 6] == '1', on_exceed = tonumber(ARGV[a + 7]),
       alt = tonumber(ARGV[a + 8]), cap_s = tonumber(ARGV[a + 9]),
       cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
+      failure = tonumber(ARGV[a + 13]), state = 0,
     }
-    a = a + 12
+    for d in string.gmatch(ARGV[a + 12], '%d+') do
+      local st = mark_state[tonumber(d)]
+      if st > plan.targets[j].state then plan.targets[j].state = st end
+    end
+    a = a + 14
     k = k + 3
   end
   plans[p] = plan
@@ -214,6 +263,8 @@ local function load(plan)
     if x.used < 0 then x.used = 0 end
     x.reserved = pending
     x.violated = x.used + x.reserved + x.amount > x.limit
+    -- An unvouched window of a policy that fails open never refuses.
+    if x.state > 0 and x.failure == 1 then x.violated = false end
     x.own = 0
   end
 end
@@ -291,10 +342,16 @@ local function cap_output(plan)
   return best
 end
 
--- Returns outcome (0 reject, 1 allow, 2 cap, 3 observe_reject, 4 try downgrade), value
--- (max output for cap, downgrade plan index for 4).
+-- Returns outcome (0 reject, 1 allow, 2 cap, 3 observe_reject, 4 try downgrade,
+-- 5 unvouched), value (max output for cap, downgrade plan index for 4).
 local function evaluate(plan, may_downgrade)
   load(plan)
+  if not read_only then
+    for j = 1, plan.n do
+      local x = plan.targets[j]
+      if x.state > 0 and not x.observe and x.failure ~= 1 then return 5, -1 end
+    end
+  end
   local hard, dg, capv, obs, alt = false, false, false, false, nil
   for j = 1, plan.n do
     local x = plan.targets[j]
@@ -330,7 +387,9 @@ end
 local chosen, outcome, value = 1, evaluate(plans[1], not read_only)
 if outcome == 4 then
   local alt_outcome, alt_value = evaluate(plans[value], false)
-  if alt_outcome ~= 0 then
+  if alt_outcome == 5 then
+    chosen, outcome, value = value, 5, -1
+  elseif alt_outcome ~= 0 then
     chosen, outcome = value, alt_outcome
     value = alt_value
   else
@@ -339,8 +398,8 @@ if outcome == 4 then
 end
 local plan = plans[chosen]
 local retry = -1
-if outcome == 0 then
-  retry = retry_of(plan, false)
+if outcome == 0 or outcome == 5 then
+  if outcome == 0 then retry = retry_of(plan, false) end
   for j = 1, plan.n do plan.targets[j].own = 0 end
 elseif outcome == 3 then
   retry = retry_of(plan, true)
@@ -356,8 +415,9 @@ for j = 1, plan.n do
   answer[#answer + 1] = x.own
   answer[#answer + 1] = x.violated and 1 or 0
   answer[#answer + 1] = reset_after(x)
+  answer[#answer + 1] = x.state
 end
-if outcome ~= 0 and not read_only then
+if outcome ~= 0 and outcome ~= 5 and not read_only then
   for j = 1, plan.n do
     local x = plan.targets[j]
     for i = 1, #x.stale, 1000 do

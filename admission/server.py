@@ -59,6 +59,7 @@ def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetS
         settings.policy_refresh_s,
         settings.redis_down_s,
         backpressure=backpressure,
+        staleness_ms=int(settings.staleness_s * 1000),
     )
 
 

@@ -50,6 +50,9 @@ class AdmissionSettings(BaseSettings):
     reserve_grace_s: float = Field(30.0, gt=0)
     #: How often each admission process looks for such reserves.
     reserve_sweep_s: float = Field(5.0, gt=0)
+    #: A budget window whose worker's applied mark (``schemas.shards``) is older than
+    #: this, on the Redis clock, is stale: decisions on it follow the policy's failure mode.
+    staleness_s: float = Field(30.0, gt=0)
     #: Larger request bodies are refused with 413.
     max_body_bytes: int = Field(65_536, ge=1024)
 

@@ -17,19 +17,22 @@ from admission.backpressure import Backpressure
 from admission.exceptions import Overloaded, StoreUnavailable
 from admission.metrics import OVERLOADED, STORE_FAILURES
 from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE, AdmitHeader, AdmitTarget
-from schemas.events import Subject, Usage
+from schemas.events import Subject, Usage, partition_key
 from schemas.matching import BudgetTarget
 from schemas.policies import Policy
 from schemas.redis_keys import (
+    marks_key,
     pending_reservations_key,
     pending_window_key,
     policies_key,
     policies_version_key,
     request_key,
     reservation_key,
+    topology_key,
     unpublished_reserves_key,
     window_key,
 )
+from schemas.shards import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +41,22 @@ IDEMPOTENCY_TTL_MS = 24 * 3_600_000
 #: A reservation record outlives its longest TTL by this, so a late commit still finds it.
 RECORD_GRACE_MS = 3_600_000
 
-Outcome = Literal["reject", "allow", "cap", "observe_reject"]
-_OUTCOMES: tuple[Outcome, ...] = ("reject", "allow", "cap", "observe_reject")
+Outcome = Literal["reject", "allow", "cap", "observe_reject", "unvouched"]
+#: The script's outcome codes (4, "try downgrade", never leaves the script).
+_OUTCOMES: dict[int, Outcome] = {
+    0: "reject",
+    1: "allow",
+    2: "cap",
+    3: "observe_reject",
+    5: "unvouched",
+}
 _ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2}
+_FAILURE = {"closed": 0, "open": 1, "degraded": 2}
+#: Whether Redis holds a window the worker vouches for (see ``schemas.shards``).
+State = Literal["vouched", "stale", "missing"]
+_STATES: tuple[State, ...] = ("vouched", "stale", "missing")
+#: A mark field no worker writes: without a topology every window counts as missing.
+_NO_TOPOLOGY = "topology-unknown"
 _STORE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 T = TypeVar("T")
 
@@ -88,6 +104,7 @@ class KeyState:
     own: int
     violated: bool
     reset_after_ms: int
+    state: State = "vouched"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +152,13 @@ class BudgetStore:
         refresh_s: float,
         down_s: float = 0.5,
         backpressure: Backpressure | None = None,
+        staleness_ms: int = 30_000,
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.refresh_s = refresh_s
         self.down_s = down_s
+        self.staleness_ms = staleness_ms
         self.backpressure = backpressure or Backpressure(
             slots=32, queue=1024, wait_s=1.0, timeout_s=0.25
         )
@@ -147,8 +166,8 @@ class BudgetStore:
         self._settle = client.register_script(SETTLE)
         self._policies: list[Policy] | None = None
         self._version: bytes | str | None = None
-        #: Redis lost the budget state (policies gone after being seen): see ``policies``.
-        self.lost = False
+        #: The partition counts the worker's marks refer to (None: not known yet).
+        self.topology: Topology | None = None
         self._checked = 0.0
         self._down_until = 0.0
         self._refreshing = asyncio.Lock()
@@ -204,15 +223,21 @@ class BudgetStore:
             version = await self._call(
                 "policy version", lambda: self.client.get(policies_version_key(self.prefix))
             )
-            # Policies seen before and now gone: Redis lost its data (flush, restart). Keep
-            # the last policies so the failure modes can apply until the worker restores.
-            self.lost = version is None and self._version is not None
-            if not self.lost and (version != self._version or self._policies is None):
+            # Policies seen before and now gone: Redis lost its data (flush, restart). The
+            # last policies stay, so the failure modes apply: the admit script finds the
+            # marks of every window gone with them and refuses to decide on them.
+            lost = version is None and self._version is not None
+            if not lost and (version != self._version or self._policies is None):
                 raw = await self._call(
                     "policies", lambda: self.client.hgetall(policies_key(self.prefix))
                 )
                 self._policies = [Policy.model_validate_json(v) for v in raw.values()]
                 self._version = version
+                topology = await self._call(
+                    "topology", lambda: self.client.get(topology_key(self.prefix))
+                )
+                if topology is not None:
+                    self.topology = Topology.decode(topology)
         except (StoreUnavailable, Overloaded):
             if self._policies is None:
                 raise
@@ -249,27 +274,23 @@ class BudgetStore:
                 ``estimate_output_tokens``).
 
         Raises:
-            StoreUnavailable: Redis did not answer, or lost its data (the windows are gone
-                until the worker rewrites them, so deciding from them would over-admit).
+            StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated. Nothing was reserved, except when the
                 script timed out after it was sent (``loop_lag``): then its reservation may
                 stand, and a retry with the same request id returns it.
         """
-        if self.lost:
-            raise StoreUnavailable(
-                "budget state is missing from Redis (flushed or restarted); the worker is "
-                "restoring it",
-                None,
-            )
         keys = [
             request_key(self.prefix, plans[0].subject.tenant, request_id),
             reservation_key(self.prefix, reservation_id),
             unpublished_reserves_key(self.prefix),
+            marks_key(self.prefix),
         ]
         record_ttl_ms = RECORD_GRACE_MS
         args: list[int | str] = []
+        marks: dict[str, int] = {}
         for plan in plans:
             args += [plan.subject.model_dump_json(exclude_defaults=True), len(plan.charges)]
+            tenant_key = partition_key(plan.subject)
             for charge in plan.charges:
                 policy = charge.target.policy
                 keys += [
@@ -291,6 +312,8 @@ class BudgetStore:
                     cap_s=charge.cap.s,
                     cap_r=charge.cap.r,
                     cap_d=charge.cap.d,
+                    deps=self._deps(marks, policy, charge.target.key, tenant_key),
+                    failure=_FAILURE[policy.failure],
                 ).argv()
         usage = estimate if estimate is not None else Usage(output_tokens=estimate_output_tokens)
         header = AdmitHeader(
@@ -301,12 +324,15 @@ class BudgetStore:
             estimate_output_tokens=estimate_output_tokens,
             estimate_json=usage.model_dump_json(exclude_defaults=True),
             plans=len(plans),
+            staleness_ms=self.staleness_ms,
+            marks=tuple(marks),
         )
         args = header.argv() + args
         raw = await self._call("admit", lambda: self._admit(keys=keys, args=args))
         replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
         retry = int(retry)
-        per = ADMIT_REPLY_PER_TARGET
+        # An answer stored before the state entry existed has one entry less per key.
+        per = ADMIT_REPLY_PER_TARGET if len(rest) >= int(n) * ADMIT_REPLY_PER_TARGET else 5
         states = tuple(
             KeyState(
                 used=int(rest[i]),
@@ -314,6 +340,7 @@ class BudgetStore:
                 own=int(rest[i + 2]),
                 violated=bool(int(rest[i + 3])),
                 reset_after_ms=int(rest[i + 4]),
+                state=_STATES[int(rest[i + 5])] if per > 5 else "vouched",
             )
             for i in range(0, int(n) * per, per)
         )
@@ -328,6 +355,17 @@ class BudgetStore:
             max_output_tokens=int(max_out) if int(max_out) >= 0 else None,
             keys=states,
         )
+
+    def _deps(
+        self, marks: dict[str, int], policy: Policy, key: str, tenant_key: bytes
+    ) -> tuple[int, ...]:
+        """The 1-based indexes into ``marks`` (grown as needed) of the marks ``key`` needs."""
+        names = (
+            self.topology.marks_for(policy, key, tenant_key)
+            if self.topology is not None
+            else (_NO_TOPOLOGY,)
+        )
+        return tuple(marks.setdefault(name, len(marks) + 1) for name in names)
 
     async def reservation_subject(self, reservation_id: str) -> Subject | None:
         """The subject an open reservation was made for, or None.

@@ -17,10 +17,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.shards import Topology
+
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = ROOT / "bench" / "plots"
 KAFKA = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 REDIS = os.environ.get("SPENDGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The partitions of the worker the admission benchmarks stand in for (no worker runs:
+#: they write windows straight into Redis and every applied mark, caught up).
+STAND_IN = Topology(usage=4, keyed=4)
 
 
 def run_id(kind: str) -> str:

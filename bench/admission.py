@@ -192,7 +192,7 @@ async def _prepare(rid: str, budgets: list[int], tenants: int) -> None:
     policies = _policies(budgets)
     client = aioredis.Redis.from_url(c.REDIS)
     try:
-        await RedisMaterializer(client, f"{rid}:").write_policies(policies)
+        await RedisMaterializer(client, f"{rid}:").stand_in(policies, c.STAND_IN, 2**52)
         now_ms = int(time.time() * 1000)
         head = now_ms - now_ms % 60_000
         value = window_codec.encode({head - k * 60_000: 100 for k in range(60)}, 60_000)

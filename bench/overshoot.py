@@ -164,7 +164,7 @@ async def _prefill(rid: str, tenants: list[str], used: int) -> None:
     )
     client = aioredis.Redis.from_url(c.REDIS)
     try:
-        await RedisMaterializer(client, f"{rid}:").write_policies([policy])
+        await RedisMaterializer(client, f"{rid}:").stand_in([policy], c.STAND_IN, 2**52)
         now_ms = int(time.time() * 1000)
         head = now_ms - now_ms % 60_000
         # The used amount spread over the last 10 minutes (stays in the 1 h window).

@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.events import Subject, Usage
 from schemas.types import Amount, Identifier, Unit
 
+#: Why Redis's window cannot be vouched for (see ``schemas.shards``).
+UnvouchedState = Literal["stale", "missing"]
+
 
 class AdmitRequest(BaseModel):
     """``POST /v1/admit``: may this request run, holding ``estimate`` until it finishes?"""
@@ -34,6 +37,10 @@ class BudgetStatus(BaseModel):
     remaining: int
     window_seconds: int
     reset_after_seconds: int
+    #: Set when Redis holds no window its worker vouches for: ``missing`` (lost, being
+    #: restored) or ``stale`` (the worker is dead or too far behind); the numbers above
+    #: are then what Redis holds, and the policy's failure mode decided.
+    state: UnvouchedState | None = None
 
 
 class Decision(BaseModel):
@@ -52,3 +59,6 @@ class Decision(BaseModel):
     retry_after_seconds: int | None = None
     never_fits: bool = False
     budgets: list[BudgetStatus] = Field(default_factory=list)
+    #: Set when a budget's window could not be vouched for and its policy fails open:
+    #: the worst state among them (see :class:`BudgetStatus`).
+    state: UnvouchedState | None = None

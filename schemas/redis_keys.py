@@ -72,3 +72,17 @@ def unpublished_reserves_key(prefix: str) -> str:
     broker acked the reserve; entries older than a grace period are republished from
     :func:`reservation_key` by any admission process (``admission.sweeper``)."""
     return f"{prefix}unpub"
+
+
+def marks_key(prefix: str) -> str:
+    """Hash of the applied marks, one field per worker partition (``schemas.shards``):
+    value = the applied watermark in ms on the Redis clock. A field exists only while its
+    worker vouches for every window of that partition; the admit script refuses to decide
+    on a key whose marks are missing or older than the staleness bound."""
+    return f"{prefix}marks"
+
+
+def topology_key(prefix: str) -> str:
+    """The partition counts the marks refer to (``schemas.shards.Topology``), written by
+    the worker beside the policies."""
+    return f"{prefix}topology"

@@ -19,6 +19,7 @@ from aiokafka import TopicPartition
 from schemas.deadletter import dead_letter
 from schemas.policies import Policy
 from schemas.prices import load_catalog
+from schemas.shards import Topology, keyed_mark, usage_mark
 from streams import metrics
 from streams.alerting import evaluate
 from streams.dedupe import IdStore, Position
@@ -26,6 +27,7 @@ from streams.fanout import fan_out
 from streams.gaps import Positions, committed_offset, missing_range, read_range
 from streams.id_rebuild import rebuild_ids
 from streams.ledger import KeyedRecord, KeyState, apply
+from streams.marks import MarkKeeper, Progress
 from streams.materialize import RedisMaterializer
 from streams.policybook import PolicyBook
 from streams.settings import WorkerSettings
@@ -83,6 +85,9 @@ def build_app(
     # This worker's mark in Redis: when it is gone, Redis lost its data (flush, restart
     # without persistence) and the worker rewrites everything it owns from its table.
     marker = f"{settings.redis_prefix}worker:{uuid.uuid4().hex}"
+    keeper = MarkKeeper()
+    #: (topic, partition) -> (next offset to handle, broker ms of the last one handled).
+    handled: dict[tuple[str, int], tuple[int, int]] = {}
     ids = IdStore(
         settings.data_dir / f"{settings.app_id}-ids",
         horizon_ms(settings, book.policies.values()),
@@ -124,22 +129,71 @@ def build_app(
     async def policy_tail() -> None:
         await book.run()
 
+    def topology() -> Topology:
+        parts = app.consumer.topic_partitions
+        return Topology(
+            usage=parts(settings.topic("usage")) or settings.partitions,
+            keyed=parts(settings.keyed_topic) or settings.partitions,
+        )
+
+    def owned() -> dict[str, Any]:
+        """Mark field -> topic partition, for every usage and keyed partition owned."""
+        out: dict[str, Any] = {}
+        for tp in app.consumer.assignment():
+            if tp.topic == settings.topic("usage"):
+                out[usage_mark(tp.partition)] = tp
+            elif tp.topic == settings.keyed_topic:
+                out[keyed_mark(tp.partition)] = tp
+        return out
+
+    async def progress(tps: dict[str, Any]) -> dict[str, Progress]:
+        ends = await app.consumer.highwaters(*tps.values())
+        out: dict[str, Progress] = {}
+        for field, tp in tps.items():
+            end = ends.get(tp)
+            if end is None:
+                continue
+            position, broker_ms = handled.get((tp.topic, tp.partition), (None, None))
+            if position is None:
+                # Nothing handled since the assignment: caught up if nothing is left to read.
+                fetch = await app.consumer.position(tp)
+                position = fetch if fetch is not None and fetch >= end else None
+            out[field] = Progress(position, end, broker_ms)
+        return out
+
     @app.timer(interval=0.5)  # type: ignore[untyped-decorator]
     async def keep_redis() -> None:
         if not book.ready.is_set():
             return
         lost = not await materializer.client.exists(marker)
-        if lost or book.version != published["version"]:
-            await materializer.write_policies(book.policies.values())
-            published["version"] = book.version
         recovery = getattr(app.tables, "recovery", None)
-        if lost and not (recovery is not None and recovery.in_recovery):
+        recovering = recovery is not None and recovery.in_recovery
+        if lost and not keeper.holding:
+            # Every mark stays away until the records already in the partitions are in.
+            tps = owned()
+            usage_tps = {f: tp for f, tp in tps.items() if f.startswith("usage:")}
+            ends = await app.consumer.highwaters(*usage_tps.values())
+            keeper.lost(
+                {f: ends.get(tp, 0) for f, tp in usage_tps.items()},
+                [f for f in tps if f not in usage_tps],
+            )
+        if lost or book.version != published["version"]:
+            await materializer.write_policies(book.policies.values(), topology())
+            published["version"] = book.version
+        if lost and not recovering:
             restored = 0
             for key, value in list(table.items()):
                 await materializer.restore(key, KeyState.from_bytes(value))
                 restored += 1
             await materializer.client.set(marker, b"1")
             logger.info("wrote %d budget windows and the policies into Redis", restored)
+            lost = False
+        if lost or recovering:
+            return
+        tps = owned()
+        complete = await materializer.marks_present(topology().all_usage_marks())
+        due = keeper.due(await progress(tps), complete)
+        await materializer.write_marks(due, marker)
 
     drift = DriftCycle()
     #: Keys whose table value is written but whose Redis write is still in flight: Redis
@@ -176,6 +230,7 @@ def build_app(
         # After a rebalance each partition starts again from the group's committed offset.
         split_positions.forget()
         account_positions.forget()
+        handled.clear()
 
     async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
         """Records of this partition the stream skipped before ``offset`` (read back)."""
@@ -200,6 +255,10 @@ def build_app(
         )
         metrics.REFILLED.labels(topic=topic).inc(len(records))
         return records
+
+    def done(msg: Any, broker_ms: int) -> None:
+        """``msg`` is handled, its effects written (the applied marks, streams.marks)."""
+        handled[(msg.topic, msg.partition)] = (msg.offset + 1, broker_ms)
 
     async def split_one(raw: bytes, msg: Any, broker_ms: int) -> None:
         pos = Position(msg.partition, msg.offset, broker_ms)
@@ -277,7 +336,10 @@ def build_app(
             msg = event.message
             for back in await skipped(split_positions, msg.topic, msg.partition, msg.offset):
                 await split_one(back.value or b"", back, back.timestamp)
-            await split_one(event.value, msg, int(msg.timestamp * 1000))
+                done(back, back.timestamp)
+            broker_ms = int(msg.timestamp * 1000)
+            await split_one(event.value, msg, broker_ms)
+            done(msg, broker_ms)
 
     @app.agent(keyed, concurrency=1)
     async def account(stream: faust.StreamT[dict[str, Any]]) -> None:
@@ -285,8 +347,11 @@ def build_app(
             msg = event.message
             for back in await skipped(account_positions, msg.topic, msg.partition, msg.offset):
                 # Table writes go to the current event's changelog partition: the same one.
-                await account_one(orjson.loads(back.value or b"{}"), back)
+                value = orjson.loads(back.value or b"{}")
+                await account_one(value, back)
+                done(back, value.get("broker_ms", 0))
             await account_one(event.value, msg)
+            done(msg, event.value.get("broker_ms", 0))
 
     return app
 

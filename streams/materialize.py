@@ -9,13 +9,16 @@ import redis.asyncio as aioredis
 from schemas import window_codec
 from schemas.policies import Policy
 from schemas.redis_keys import (
+    marks_key,
     pending_reservations_key,
     pending_window_key,
     policies_key,
     policies_version_key,
+    topology_key,
     window_key,
     window_version_key,
 )
+from schemas.shards import Topology
 from schemas.windows import WindowSpec
 from streams.ledger import Change, KeyState
 
@@ -72,6 +75,26 @@ return 1
 """
 
 
+# Write this worker's applied marks, unless Redis lost its data since it last checked.
+#
+# KEYS[1] the marks (hash: mark field -> watermark ms)
+# KEYS[2] this worker's presence mark (gone: Redis lost its data; the worker must restore
+#         its windows before it vouches for them again)
+# ARGV    pairs of mark field, watermark ms ("" for now, on the Redis clock)
+# Returns 1 when written, 0 when the presence mark is gone (nothing written).
+MARK = r"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local t = redis.call('TIME')
+local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+for i = 1, #ARGV, 2 do
+  local value = ARGV[i + 1]
+  if value == '' then value = now end
+  redis.call('HSET', KEYS[1], ARGV[i], value)
+end
+return 1
+"""
+
+
 class RedisMaterializer:
     """Applies each state change to Redis in one atomic step."""
 
@@ -80,6 +103,7 @@ class RedisMaterializer:
         self.prefix = prefix
         self._absorb = client.register_script(ABSORB)
         self._heal = client.register_script(HEAL)
+        self._mark = client.register_script(MARK)
 
     async def write(self, key: str, state: KeyState, change: Change, spec: WindowSpec) -> None:
         """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step.
@@ -162,12 +186,46 @@ class RedisMaterializer:
         """
         await self.heal(key, state)
 
-    async def write_policies(self, policies: Iterable[Policy]) -> None:
-        """Replace the policies hash with ``policies``."""
+    async def write_policies(
+        self, policies: Iterable[Policy], topology: Topology | None = None
+    ) -> None:
+        """Replace the policies hash with ``policies``, and the topology when given."""
         pkey = policies_key(self.prefix)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(pkey)
             for policy in policies:
                 pipe.hset(pkey, policy.id, policy.model_dump_json())
+            if topology is not None:
+                pipe.set(topology_key(self.prefix), topology.encode())
             pipe.incr(policies_version_key(self.prefix))
             await pipe.execute()
+
+    async def write_marks(self, marks: dict[str, int | None], presence: str) -> bool:
+        """Write applied marks (watermark ms, None: now on the Redis clock).
+
+        Returns:
+            False when ``presence`` (this worker's mark that Redis still holds what it
+            wrote) is gone: nothing was written, the worker must restore first.
+        """
+        if not marks:
+            return True
+        args: list[str | int] = []
+        for field, value in marks.items():
+            args += [field, "" if value is None else value]
+        keys = [marks_key(self.prefix), presence]
+        return bool(await self._mark(keys=keys, args=args))
+
+    async def stand_in(self, policies: Iterable[Policy], topology: Topology, until_ms: int) -> None:
+        """Play a worker caught up on every partition until ``until_ms``: write the policies
+        and every applied mark. Only for setups with no worker (admission tests and
+        benchmarks that write windows straight into Redis)."""
+        await self.write_policies(policies, topology)
+        marks = dict.fromkeys(topology.all_marks(), until_ms)
+        await self.client.hset(marks_key(self.prefix), mapping=marks)  # type: ignore[arg-type]
+
+    async def marks_present(self, fields: Iterable[str]) -> bool:
+        """Whether every one of ``fields`` is in the marks hash."""
+        wanted = list(fields)
+        if not wanted:
+            return True
+        return all(v is not None for v in await self.client.hmget(marks_key(self.prefix), wanted))

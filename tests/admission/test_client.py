@@ -14,7 +14,7 @@ from admission.exceptions import AdmissionRequestError, AdmissionUnavailable, Bu
 from schemas.events import Usage
 from schemas.redis_keys import pending_window_key, reservation_key
 from streams.materialize import RedisMaterializer
-from tests.fixtures.admission import LiveServer
+from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
 
 pytestmark = pytest.mark.integration
@@ -64,8 +64,8 @@ async def server(
     live_admission: LiveServer, redis_client: aioredis.Redis, policy_factory: PolicyFactory
 ) -> LiveServer:
     policy = policy_factory(id="tok", limit=1000, unit="total_tokens")
-    await RedisMaterializer(redis_client, live_admission.settings.redis_prefix).write_policies(
-        [policy]
+    await RedisMaterializer(redis_client, live_admission.settings.redis_prefix).stand_in(
+        [policy], TOPOLOGY, VOUCHED
     )
     await asyncio.sleep(0.1)  # the server re-reads policies every 50 ms
     return live_admission

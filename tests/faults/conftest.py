@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from schemas import window_codec
 from schemas.policies import Policy
 from streams.materialize import RedisMaterializer
-from tests.fixtures.admission import free_port
+from tests.fixtures.admission import TOPOLOGY, VOUCHED, free_port
 from tests.fixtures.services import Services
 
 RESULTS_ENV = "SPENDGATE_FAULTS_RESULTS"
@@ -150,7 +150,7 @@ async def write_policies(redis_url: str, prefix: str, *policies: Policy) -> None
     """Materialize policies into Redis as the worker does (admission-only scenarios)."""
     client = aioredis.Redis.from_url(redis_url)
     try:
-        await RedisMaterializer(client, prefix).write_policies(policies)
+        await RedisMaterializer(client, prefix).stand_in(policies, TOPOLOGY, VOUCHED)
     finally:
         await client.aclose()
 

@@ -46,7 +46,9 @@ SCENARIOS: dict[str, tuple[str, str]] = {
           "decisions from Redis, bounded buffer, closed refuses only when full; every "
           "published reservation counted once."),
     "3": ("Redis loss during load", "Redis stopped and restarted empty (and flushed): "
-          "failure modes per policy; `spendgate replay` rebuilds the windows."),
+          "failure modes per policy; `spendgate replay` rebuilds the windows; a flush under "
+          "200 racing admits admits nothing over the limit; a stopped worker's windows turn "
+          "stale and the failure mode answers."),
     "4": ("Duplicate delivery", "The same records delivered three times (idempotent and "
           "non-idempotent producers), same-id records with other bodies, repeated admits "
           "and commits: counted once."),
@@ -76,20 +78,7 @@ HEADLINE = [
 ]
 
 #: Root cause and suggested fix of each bug an xfail-strict test reproduces.
-_DEFECT_2 = (
-    "Issue 16 defect 2. After a FLUSHDB, and before a worker has rewritten the keys from "
-    "its table, admission decides on what Redis holds: an empty window (with the policies "
-    "it cached), so an estimate that fits an empty window is admitted although the real "
-    "window is nearly full (every probe of 200 with 900 of 1,000 used: 200). "
-    "Fix (DESIGN.md, 'Redis is a cache'): "
-    "per partition an epoch mark set only once every window it owns is written or restored, "
-    "and an applied watermark; the admission script checks both in the same atomic step and "
-    "answers the policy's failure mode with `state: missing|stale` when either is missing "
-    "or too old."
-)
-FIXES: dict[str, str] = {
-    "test_right_after_a_flush_admission_does_not_decide_on_the_wiped_window": _DEFECT_2,
-}
+FIXES: dict[str, str] = {}
 
 OBSERVATIONS = """\
 - **Fixed after the first run of this suite** (their tests were xfail-strict and now pass):
@@ -97,8 +86,10 @@ OBSERVATIONS = """\
   (scenario 5, pre-epoch test); dead letters carry at most the first 64 KiB of a record with
   its size and SHA-256, so oversized records are dead-lettered instead of lost (scenario 5,
   oversized test). After a flush, workers rewrite windows and policies from their tables
-  (scenario 3, rewrite test); *until they have*, admission still decides on the wiped
-  window (scenario 3, known bug above).
+  (scenario 3, rewrite test); *until they have* (and have caught up with the records
+  already in their partitions), the admission script finds the partitions' applied marks
+  gone and answers from the failure mode with `state: missing` (scenario 3, flush and
+  restart tests; issue 16 defect 2, which was xfail-strict here before the marks).
 - **A huge negative `adjust`** still lands in its bucket (`SignedUsage` allows down to
   -(2**53-1)), but admission counts a negative window as 0: a refund cannot create room
   beyond the limit. A key's alerts and `budgets[].used` then show 0. (Not asserted here.)

@@ -10,11 +10,10 @@ After Redis comes back empty (restart without persistence, or FLUSHDB), the prob
 an estimate that *fits an empty window* but not the real one (900 of 1,000 used, 200
 asked): a decision on the wiped window admits it, so an over-admit fails the test. While
 the worker has not rewritten the windows, the only honest answers are 503 (closed: the
-state cannot be vouched for) or 429 (the window is known again); 200 is the defect
-(issue 16 defect 2). After a restart admission answers 503 today (its connections fail
-and it re-reads the policies first); after a FLUSHDB it admits on the wiped window, so
-that test is xfail-strict until the defect is fixed. Once the worker's marker check has
-rewritten the windows, exactly 429 for 200 and 200 for the 100 that still fit.
+state cannot be vouched for) or 429 (the window is known again); 200 would be a decision
+on the wiped window (issue 16 defect 2, fixed by the applied marks the admission script
+checks: ``schemas.shards``). Once the worker has rewritten the windows and caught up,
+exactly 429 for 200 and 200 for the 100 that still fit.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from tests.faults.conftest import (
 from tests.fixtures.admission import OwnRedis
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, pending_sum, produce
-from tests.fixtures.pipeline import Workers
+from tests.fixtures.pipeline import Workers, all_marked
 from tests.fixtures.workload import generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -58,8 +57,11 @@ async def _apply(settings: WorkerSettings, client: redis.Redis, *policies: Polic
     await publish_policies(settings, list(policies))
     wanted = {p.id for p in policies}
     await eventually(
-        lambda: wanted <= {k.decode() for k in client.hkeys(f"{settings.redis_prefix}policies")},
-        what="policies materialized",
+        lambda: (
+            wanted <= {k.decode() for k in client.hkeys(f"{settings.redis_prefix}policies")}
+            and all_marked(client, settings.redis_prefix)
+        ),
+        what="policies materialized, every partition vouched for",
     )
 
 
@@ -105,7 +107,6 @@ def own_workers(own_settings: WorkerSettings, tmp_path: Path) -> Iterator[Worker
     factory.stop_all()
 
 
-DEFECT_2 = "issue 16 defect 2: admission decides on a wiped window"
 #: Already charged on the closed policy's key before Redis loses its data (limit 1,000).
 USED = 900
 #: Fits an empty window (200 <= 1,000), not the real one (900 + 200 > 1,000).
@@ -137,12 +138,13 @@ async def _ready(http: httpx.AsyncClient) -> bool:
 
 
 async def _closed_used(http: httpx.AsyncClient) -> int | None:
-    """``used`` of the closed key as admission reports it (GET /v1/budgets), or None."""
+    """``used`` of the closed key as admission reports it (GET /v1/budgets), or None
+    while its window is not vouched for (``state`` set)."""
     answer = await http.get("/v1/budgets", params={"tenant": "acme", "model": "m1", "env": "c"})
     if answer.status_code != 200:
         return None
     for item in answer.json().get("budgets", []):
-        if item["key"] == CLOSED_KEY:
+        if item["key"] == CLOSED_KEY and item.get("state") is None:
             return int(item["used"])
     return None
 
@@ -312,7 +314,6 @@ class TestRedisLoss:
         # 503: closed, the wiped state cannot be vouched for; 429: over the limit.
         assert answer.status_code in (503, 429), answer.text
 
-    @pytest.mark.xfail(strict=True, reason=DEFECT_2)
     async def test_right_after_a_flush_admission_does_not_decide_on_the_wiped_window(
         self,
         own_redis: OwnRedis,
@@ -419,3 +420,117 @@ async def eventually_async(read: Any, want: Any, what: str, timeout_s: float = 6
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not met within {timeout_s}s (last {last!r})")
         await asyncio.sleep(0.2)
+
+
+#: Each racing admit asks this much; 100 of room (1,000 - 900) fits exactly ten.
+RACE_AMOUNT = 10
+RACERS = 200
+
+
+class TestUnvouchedWindows:
+    async def test_a_flush_under_200_racing_admits_admits_nothing_over_the_limit(
+        self,
+        own_redis: OwnRedis,
+        own_settings: WorkerSettings,
+        own_workers: Workers,
+        admission_procs: AdmissionProcs,
+        policy_factory: PolicyFactory,
+        fault_record: FaultRecord,
+    ) -> None:
+        settings = own_settings
+        client = redis.Redis.from_url(own_redis.url)
+        own_workers.start()
+        await _apply(settings, client, _policies(policy_factory)["closed"])
+        proc = admission_procs.start(
+            kafka_bootstrap=settings.kafka_bootstrap,
+            redis_url=own_redis.url,
+            topic_prefix=settings.topic_prefix,
+            redis_prefix=settings.redis_prefix,
+        )
+        await _charge_closed(settings, client, USED)
+        answers: Counter[int] = Counter()
+        gate = asyncio.Semaphore(20)
+        flushed = asyncio.Event()
+
+        async def racer(http: httpx.AsyncClient, n: int) -> None:
+            async with gate:
+                if n == RACERS // 4:
+                    client.flushdb()  # this test's private redis-server only
+                    flushed.set()
+                answers[(await _admit(http, "c", RACE_AMOUNT)).status_code] += 1
+
+        async with httpx.AsyncClient(base_url=proc.url, timeout=60) as http:
+            await eventually_async(lambda: _closed_used(http), USED, "admission sees 900 used")
+            await asyncio.gather(*(racer(http, n) for n in range(RACERS)))
+            fault_record.fault(
+                f"FLUSHDB on the private Redis after {RACERS // 4} of {RACERS} racing admits "
+                f"of {RACE_AMOUNT} (closed policy, {USED} of 1,000 used) had started"
+            )
+            # The worker restores and catches up; then admission vouches for the window
+            # again and reports what it holds.
+            admitted = RACE_AMOUNT * answers[200]
+            await eventually_async(
+                lambda: _closed_used(http), USED + admitted, "the admitted reserves absorbed"
+            )
+        held = sum(read_buckets(client, settings.redis_prefix, CLOSED_KEY).values())
+        fault_record.add(
+            events_checked=RACERS,
+            racing_statuses=dict(answers),
+            units_admitted=admitted,
+            window_after=held,
+            over_limit_units=max(0, USED + admitted - 1000),
+        )
+        assert flushed.is_set()
+        assert set(answers) <= {200, 429, 503}, answers
+        assert sum(answers.values()) == RACERS
+        # Never more than the room left, and every admitted unit is in the window.
+        assert max(0, USED + admitted - 1000) == 0
+        assert held == USED + admitted
+
+    async def test_a_stopped_worker_makes_its_windows_stale_and_the_failure_mode_answers(
+        self,
+        own_redis: OwnRedis,
+        own_settings: WorkerSettings,
+        own_workers: Workers,
+        admission_procs: AdmissionProcs,
+        policy_factory: PolicyFactory,
+        fault_record: FaultRecord,
+    ) -> None:
+        settings = own_settings
+        client = redis.Redis.from_url(own_redis.url)
+        worker = own_workers.start()
+        await _apply(settings, client, *_policies(policy_factory).values())
+        staleness_s = 3.0
+        proc = admission_procs.start(
+            kafka_bootstrap=settings.kafka_bootstrap,
+            redis_url=own_redis.url,
+            topic_prefix=settings.topic_prefix,
+            redis_prefix=settings.redis_prefix,
+            extra_env={"SPENDGATE_STALENESS_S": str(staleness_s)},
+        )
+        statuses: dict[str, int] = {}
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
+            await eventually_async(lambda: _closed_used(http), 0, "admission vouches")
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                fault_record.fault(f"worker stopped (SIGSTOP) for {staleness_s + 2:.0f} s")
+                await asyncio.sleep(staleness_s + 2)
+                stale = {env: await _admit(http, env, 1) for env in ("c", "o", "d")}
+            finally:
+                worker.send_signal(signal.SIGCONT)
+            fault_record.fault("worker resumed (SIGCONT)")
+            await eventually_async(lambda: _closed_used(http), 0, "admission vouches again")
+            back = await _admit(http, "c", 1)
+        statuses = {f"stale {env}": a.status_code for env, a in stale.items()}
+        fault_record.add(
+            events_checked=4,
+            statuses={**statuses, "closed after resume": back.status_code},
+            closed_state=stale["c"].json()["error"]["state"],
+            open_state=stale["o"].json()["state"],
+            degraded_fallback=stale["d"].headers["Spendgate-Fallback"],
+        )
+        assert statuses == {"stale c": 503, "stale o": 200, "stale d": 200}
+        assert stale["c"].json()["error"]["state"] == "stale"
+        assert stale["o"].json()["state"] == "stale"
+        assert stale["d"].headers["Spendgate-Fallback"] == "degraded"
+        assert back.status_code == 200, back.text

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import positive_data_acceptance
 
 from streams.materialize import RedisMaterializer
-from tests.fixtures.admission import LiveServer
+from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ async def _policies(url: str, prefix: str, policy_factory: PolicyFactory) -> Non
     import redis.asyncio as aioredis
 
     client = aioredis.Redis.from_url(url)
-    await RedisMaterializer(client, prefix).write_policies(
+    await RedisMaterializer(client, prefix).stand_in(
         [
             policy_factory(id="fz-tenant", limit=10_000, unit="total_tokens", group_by=[]),
             policy_factory(
@@ -34,7 +34,9 @@ async def _policies(url: str, prefix: str, policy_factory: PolicyFactory) -> Non
             policy_factory(
                 id="fz-observe", limit=100, unit="requests", mode="observe", group_by=[]
             ),
-        ]
+        ],
+        TOPOLOGY,
+        VOUCHED,
     )
     await client.aclose()
 
