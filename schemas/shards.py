@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.matching import is_exact
 from schemas.policies import Policy
 
 _SEED = 0x9747B28C
@@ -71,10 +72,7 @@ def tenant_scoped(policy: Policy) -> bool:
     True when the policy groups by tenant, or its ``match`` pins the tenant to one exact
     value (no glob): all such events share a usage partition.
     """
-    if "tenant" in policy.group_by:
-        return True
-    pinned = policy.match.get("tenant")
-    return pinned is not None and not any(c in pinned for c in "*?[")
+    return "tenant" in policy.group_by or is_exact(policy.match.get("tenant", "*"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +104,10 @@ class Topology:
     def marks_for(self, policy: Policy, key: str, tenant_key: bytes) -> tuple[str, ...]:
         """The marks a window of ``policy`` under budget key ``key`` depends on.
 
-        Every key is accounted from the keyed topic (its partition by the key); its
-        records come from the usage partition of the request's tenant when the policy is
-        tenant scoped, and from any usage partition otherwise.
+        A tenant-scoped key is accounted in the usage partition of its tenant (the
+        usage record's key): that partition's mark alone. Any other key is accounted from
+        the keyed topic (its partition by the key), fed by every usage partition.
         """
-        keyed = keyed_mark(partition_for(key.encode(), self.keyed))
         if tenant_scoped(policy):
-            return (usage_mark(partition_for(tenant_key, self.usage)), keyed)
-        return (*self.all_usage_marks(), keyed)
+            return (usage_mark(partition_for(tenant_key, self.usage)),)
+        return (*self.all_usage_marks(), keyed_mark(partition_for(key.encode(), self.keyed)))

@@ -1,32 +1,41 @@
-"""The faust application: split usage events per budget key, then account per key."""
+"""The faust application: usage records folded in batches (``streams.fold``).
+
+Each agent takes records in batches (``noack_take``), folds each partition's records in
+memory, writes one table value and one Redis write per touched key, sends what follows
+(keyed batches, dead letters, alerts) and waits for the broker's acks, and only then acks
+the records. Keys of one tenant are accounted in the usage record's own partition; keys
+spanning tenants cross the keyed topic once per key and batch.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
+import weakref
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import faust
-import orjson
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
+from faust.streams import Stream, _current_event
+from faust.types import EventT
 
 from schemas.deadletter import dead_letter
 from schemas.policies import Policy
 from schemas.prices import load_catalog
 from schemas.shards import Topology, keyed_mark, usage_mark
 from streams import metrics
-from streams.alerting import evaluate
 from streams.dedupe import IdStore, Position
-from streams.fanout import fan_out
+from streams.fold import FoldResult, KeyedMessage, Rules, UsageRecord, fold_keyed, fold_usage
 from streams.gaps import Positions, committed_offset, missing_range, read_range
 from streams.id_rebuild import rebuild_ids
-from streams.ledger import KeyedRecord, KeyState, apply
+from streams.ledger import KeyState
 from streams.marks import MarkKeeper, Progress
 from streams.materialize import RedisMaterializer
 from streams.policybook import PolicyBook
@@ -70,7 +79,7 @@ def build_app(
     keyed = app.topic(
         settings.keyed_topic,
         key_type=str,
-        value_serializer="json",
+        value_serializer="raw",
         partitions=settings.partitions,
     )
     dlq = app.topic(settings.topic("dlq"), value_serializer="raw", key_serializer="raw")
@@ -111,19 +120,6 @@ def build_app(
                 settings.topic("usage"),
                 retention_ms,
             )
-
-    async def dead_letter_raw(reason: str, raw: bytes, msg: Any) -> None:
-        metrics.DEAD_LETTERED.inc()
-        logger.warning("dead-lettered record at %s/%s: %s", msg.partition, msg.offset, reason)
-        record = dead_letter(
-            reason,
-            raw,
-            topic=msg.topic,
-            partition=msg.partition,
-            offset=msg.offset,
-            at=datetime.now(UTC),
-        )
-        await dlq.send(value=record.model_dump_json().encode())
 
     @app.task  # type: ignore[untyped-decorator]
     async def policy_tail() -> None:
@@ -256,104 +252,184 @@ def build_app(
         metrics.REFILLED.labels(topic=topic).inc(len(records))
         return records
 
-    def done(msg: Any, broker_ms: int) -> None:
-        """``msg`` is handled, its effects written (the applied marks, streams.marks)."""
-        handled[(msg.topic, msg.partition)] = (msg.offset + 1, broker_ms)
+    def done(topic: str, partition: int, offset: int, broker_ms: int) -> None:
+        """Records up to ``offset`` are handled, their effects written (streams.marks)."""
+        handled[(topic, partition)] = (offset + 1, broker_ms)
 
-    async def split_one(raw: bytes, msg: Any, broker_ms: int) -> None:
-        pos = Position(msg.partition, msg.offset, broker_ms)
-        metrics.OFFSET.labels(topic=msg.topic, partition=str(msg.partition)).set(msg.offset)
-        track_policies()
-        if ids.covered(pos.partition) < pos.offset - 1:
-            # First record of a partition this worker did not process up to here.
-            await rebuild_ids(settings.kafka_bootstrap, msg.topic, ids, pos)
-        out = fan_out(
-            raw,
-            broker_ms=broker_ms,
-            policies=book.policies.values(),
-            prices=prices,
-            max_future_skew_ms=settings.max_future_skew_ms,
-            src=pos,
-            ids=ids,
-        )
-        ids.advance(pos)
-        split_positions.handled(msg.partition, msg.offset)
-        for reason in [out.rejected] if out.rejected else out.partial:
-            await dead_letter_raw(reason, raw, msg)
-        if out.rejected:
-            metrics.EVENTS.labels(kind="invalid", outcome="dead_lettered").inc()
-            return
-        if out.duplicate:
-            metrics.DUPLICATES.inc()
-            metrics.EVENTS.labels(kind=out.kind, outcome="duplicate").inc()
-            return
-        metrics.EVENTS.labels(kind=out.kind, outcome="counted").inc()
-        if out.clamped:
-            metrics.CLAMPED.inc()
-        for rec in out.records:
-            await keyed.send(key=rec.key, value=replace(rec, broker_ms=broker_ms).to_json())
+    rules_cache: dict[str, Any] = {"version": None, "rules": None}
 
-    async def account_one(value: dict[str, Any], msg: Any) -> None:
-        account_positions.handled(msg.partition, msg.offset)
-        rec = KeyedRecord.from_json(value)
-        state = KeyState.from_bytes(table.get(rec.key))
-        change = apply(state, rec)
-        due = evaluate(state, rec) if change.outcome == "applied" else []
-        if change.outcome != "redelivery":
-            encoded = state.to_bytes()
-            if len(encoded) > settings.max_value_bytes:
-                # Written, this value would exceed the changelog's message limit and stop
-                # the worker for good: the record is refused instead.
-                metrics.OUTCOMES.labels(outcome="too_large").inc()
-                metrics.UNWRITABLE.inc()
-                await dead_letter_raw(
-                    f"budget key {rec.key}: its state would be {len(encoded)} bytes, over "
-                    f"max_value_bytes {settings.max_value_bytes}; the record was not "
-                    f"applied (narrow the policy's window or widen its bucket)",
-                    orjson.dumps(value),
-                    msg,
-                )
-                return
-            table[rec.key] = encoded
-        metrics.OUTCOMES.labels(outcome=change.outcome).inc()
-        writing.add(rec.key)
+    def rules() -> Rules:
+        """The fold's rules for the policies in force (rebuilt once per policy version)."""
+        if rules_cache["version"] != book.version:
+            rules_cache["rules"] = Rules(book.policies.values(), prices)
+            rules_cache["version"] = book.version
+        rule: Rules = rules_cache["rules"]
+        return rule
+
+    def load(key: str) -> KeyState:
+        return KeyState.from_bytes(table.get(key))
+
+    async def write_batch(
+        result: FoldResult, events: list[Any], topic_names: dict[str, str]
+    ) -> None:
+        """Write one fold's effects, then send what follows from them; ``events`` are the
+        faust events of the fold's partition (table writes go to that partition)."""
+        if events:
+            # The table value of every key folded here belongs to this partition's
+            # changelog: faust writes to the partition of the current event.
+            with current_event_of(events[-1]):
+                for w in result.writes:
+                    if w.changed:
+                        table[w.key] = w.table_value()
+        due = [w for w in result.writes if w.redis_due]
+        keys = {w.key for w in due}
+        writing.update(keys)
         try:
-            await materializer.write(rec.key, state, change, rec.spec)
+            await materializer.write_batch(due)
         finally:
-            writing.discard(rec.key)
-        if rec.broker_ms:
-            metrics.LAG.observe(max(0.0, time.time() - rec.broker_ms / 1000))
-        # Alerts leave only after the state change is in the table and in Redis.
-        for alert in due:
-            metrics.ALERTS.labels(kind=alert.kind).inc()
-            await alerts_topic.send(key=rec.key, value=alert.model_dump_json().encode())
+            writing.difference_update(keys)
+        sent = [
+            *[await keyed.send(key=b.key, value=b.to_bytes()) for b in result.remote],
+            *[
+                await dlq.send(
+                    value=dead_letter(
+                        r.reason,
+                        r.raw,
+                        topic=topic_names[r.topic],
+                        partition=r.partition,
+                        offset=r.offset,
+                        at=datetime.now(UTC),
+                    )
+                    .model_dump_json()
+                    .encode()
+                )
+                for r in result.refusals
+            ],
+            # Alerts leave only after the state change is in the table and in Redis.
+            *[
+                await alerts_topic.send(key=a.key, value=a.model_dump_json().encode())
+                for a in result.alerts
+            ],
+        ]
+        # Acked by the broker before the batch's records are: nothing is lost in a crash.
+        await asyncio.gather(*sent)
+        count(result)
+
+    def count(result: FoldResult) -> None:
+        c = result.counts
+        for (kind, outcome), n in c.events.items():
+            metrics.EVENTS.labels(kind=kind, outcome=outcome).inc(n)
+        for outcome, n in c.outcomes.items():
+            metrics.OUTCOMES.labels(outcome=outcome).inc(n)
+        metrics.UNWRITABLE.inc(c.outcomes.get("too_large", 0))
+        metrics.DUPLICATES.inc(c.duplicates)
+        metrics.CLAMPED.inc(c.clamped)
+        metrics.DEAD_LETTERED.inc(len(result.refusals))
+        for r in result.refusals:
+            logger.warning("dead-lettered record at %s/%s: %s", r.partition, r.offset, r.reason)
+        for a in result.alerts:
+            metrics.ALERTS.labels(kind=a.kind).inc()
+
+    names = {"usage": settings.topic("usage"), "keyed": settings.keyed_topic}
+
+    async def fold_usage_batch(events: list[Any]) -> None:
+        """Fold one batch of usage records, partition by partition, and write it."""
+        track_policies()
+        for partition, group in by_partition(events).items():
+            first = group[0].message
+            back = await skipped(split_positions, first.topic, partition, first.offset)
+            records = [
+                UsageRecord(b.partition, b.offset, b.timestamp, b.value or b"") for b in back
+            ]
+            records += [
+                UsageRecord(partition, e.message.offset, int(e.message.timestamp * 1000), e.value)
+                for e in group
+            ]
+            if ids.covered(partition) < records[0].offset - 1:
+                # First record of a partition this worker did not process up to here.
+                head = records[0]
+                await rebuild_ids(
+                    settings.kafka_bootstrap,
+                    first.topic,
+                    ids,
+                    Position(partition, head.offset, head.broker_ms),
+                )
+            result = fold_usage(
+                records,
+                load,
+                rules(),
+                max_future_skew_ms=settings.max_future_skew_ms,
+                max_value_bytes=settings.max_value_bytes,
+                ids=ids,
+            )
+            await write_batch(result, group, names)
+            last = records[-1]
+            split_positions.handled(partition, last.offset)
+            done(first.topic, partition, last.offset, last.broker_ms)
+            metrics.OFFSET.labels(topic=first.topic, partition=str(partition)).set(last.offset)
+            metrics.LAG.observe(max(0.0, time.time() - last.broker_ms / 1000))
+
+    async def fold_keyed_batch(events: list[Any]) -> None:
+        """Fold one batch of keyed messages (keys spanning tenants), partition by partition."""
+        for partition, group in by_partition(events).items():
+            first = group[0].message
+            back = await skipped(account_positions, first.topic, partition, first.offset)
+            messages = [KeyedMessage(b.partition, b.offset, b.value or b"") for b in back]
+            messages += [KeyedMessage(partition, e.message.offset, e.value) for e in group]
+            result = fold_keyed(messages, load, max_value_bytes=settings.max_value_bytes)
+            await write_batch(result, group, names)
+            last = messages[-1]
+            account_positions.handled(partition, last.offset)
+            done(first.topic, partition, last.offset, int(group[-1].message.timestamp * 1000))
 
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
         if not book.ready.is_set():
             await book.ready.wait()
-        async for event in stream.events():
-            msg = event.message
-            for back in await skipped(split_positions, msg.topic, msg.partition, msg.offset):
-                await split_one(back.value or b"", back, back.timestamp)
-                done(back, back.timestamp)
-            broker_ms = int(msg.timestamp * 1000)
-            await split_one(event.value, msg, broker_ms)
-            done(msg, broker_ms)
+        async for events in batches(stream, settings.batch_size, settings.batch_linger_s):
+            await fold_usage_batch(events)
+            for event in events:
+                await stream.ack(event)
 
     @app.agent(keyed, concurrency=1)
-    async def account(stream: faust.StreamT[dict[str, Any]]) -> None:
-        async for event in stream.events():
-            msg = event.message
-            for back in await skipped(account_positions, msg.topic, msg.partition, msg.offset):
-                # Table writes go to the current event's changelog partition: the same one.
-                value = orjson.loads(back.value or b"{}")
-                await account_one(value, back)
-                done(back, value.get("broker_ms", 0))
-            await account_one(event.value, msg)
-            done(msg, event.value.get("broker_ms", 0))
+    async def account(stream: faust.StreamT[bytes]) -> None:
+        async for events in batches(stream, settings.batch_size, settings.batch_linger_s):
+            await fold_keyed_batch(events)
+            for event in events:
+                await stream.ack(event)
 
     return app
+
+
+async def batches(
+    stream: faust.StreamT[Any], size: int, linger_s: float
+) -> AsyncIterator[list[EventT[Any]]]:
+    """Batches of up to ``size`` events (fewer after ``linger_s``), acked by the caller.
+
+    faust's ``noack_take`` yields the events themselves, although it is annotated as
+    yielding values.
+    """
+    async for events in cast(Stream[Any], stream).noack_take(size, linger_s):
+        yield cast(list[EventT[Any]], list(events))
+
+
+def by_partition(events: list[Any]) -> dict[int, list[Any]]:
+    """``events`` grouped by partition, each group in arrival (offset) order."""
+    out: dict[int, list[Any]] = {}
+    for event in events:
+        out.setdefault(event.message.partition, []).append(event)
+    return out
+
+
+@contextmanager
+def current_event_of(event: Any) -> Iterator[None]:
+    """Make ``event`` faust's current event: table writes go to its partition (faust
+    picks the changelog partition and the RocksDB partition from the current event)."""
+    token = _current_event.set(weakref.ref(event))
+    try:
+        yield
+    finally:
+        _current_event.reset(token)
 
 
 class DriftCycle:

@@ -6,8 +6,8 @@ same order, so batch boundaries change nothing: every event is applied and its a
 evaluated one at a time; only the *writes* are per batch (one table value and one Redis
 write per touched key).
 
-Where a key is accounted: a *local* key (:func:`tenant_scoped` by default) only ever sees
-events of one tenant, and ``budget.usage`` is keyed by tenant, so all its events live in
+Where a key is accounted: a *local* key (``schemas.shards.tenant_scoped`` by default) only
+ever sees events of one tenant, and ``budget.usage`` is keyed by tenant, so all its events live in
 one source partition and :func:`fold_usage` applies them right there. Every other key is
 *remote*: :func:`fold_usage` returns one :class:`streams.remote.RemoteBatch` per (key,
 source partition), and :func:`fold_keyed` applies those where the keyed topic delivers
@@ -33,9 +33,10 @@ from schemas.alerts import Alert
 from schemas.events import Usage
 from schemas.exceptions import SpendgateError
 from schemas.fastdecode import Event, decode
-from schemas.matching import PolicyIndex, is_exact
+from schemas.matching import PolicyIndex
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
+from schemas.shards import tenant_scoped
 from schemas.types import Boundary
 from schemas.units import amount
 from schemas.windows import WindowSpec
@@ -56,7 +57,6 @@ __all__ = [
     "UsageRecord",
     "fold_keyed",
     "fold_usage",
-    "tenant_scoped",
 ]
 
 #: A key's stored state when the batch first touches it (empty when it has none); the fold
@@ -79,16 +79,6 @@ class KeyedMessage(NamedTuple):
     partition: int
     offset: int
     value: bytes
-
-
-def tenant_scoped(policy: Policy) -> bool:
-    """Whether every key of ``policy`` sees one tenant's events only (it is *local*).
-
-    True when ``group_by`` holds ``tenant``, or ``match`` pins ``tenant`` to one exact
-    (non-glob) value: such a key's events all carry one tenant, the record key of
-    ``budget.usage``, so they all live in one source partition.
-    """
-    return "tenant" in policy.group_by or is_exact(policy.match.get("tenant", "*"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,10 +493,29 @@ def fold_keyed(messages: Sequence[KeyedMessage], load: Load, *, max_value_bytes:
     for msg in messages:
         origin = _Origin(None, "keyed", msg.partition, msg.offset)
         try:
-            batch = RemoteBatch.from_bytes(msg.value)
+            records = _keyed_records(msg.value)
         except ValueError as exc:
             fold.refuse(str(exc), msg.value, origin)
             continue
-        for rec in batch.records():
+        for rec in records:
             fold.account(rec, origin)
     return fold.result([])
+
+
+def _keyed_records(value: bytes) -> list[KeyedRecord]:
+    """A keyed message's records: a :class:`RemoteBatch`, or one record as workers before
+    the batch fold sent them (``KeyedRecord.to_json``), so an upgrade loses nothing.
+
+    Raises:
+        ValueError: neither; the message says why it is not a batch.
+    """
+    try:
+        return RemoteBatch.from_bytes(value).records()
+    except ValueError as exc:
+        try:
+            legacy = orjson.loads(value)
+            if isinstance(legacy, dict) and "src_offset" in legacy:
+                return [KeyedRecord.from_json(legacy)]
+        except (orjson.JSONDecodeError, TypeError):
+            pass
+        raise exc

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -21,6 +22,9 @@ from schemas.redis_keys import (
 from schemas.shards import Topology
 from schemas.windows import WindowSpec
 from streams.ledger import Change, KeyState
+
+if TYPE_CHECKING:
+    from streams.fold import KeyWrite
 
 # Write a key's window and move reservations it now holds out of the pending window, in
 # one atomic step: at no instant does a reservation count twice or not at all.
@@ -58,6 +62,14 @@ for i = 4, #ARGV do
   end
 end
 return moved
+"""
+
+# Write one window and its version together (a key touched without absorbing).
+#
+# KEYS[1] the window   KEYS[2] its version   ARGV[1] the window   ARGV[2] PX   ARGV[3] version
+SET_WINDOW = r"""
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
 """
 
 # Heal one window that differs from the worker's table, unless a newer one was written.
@@ -104,6 +116,7 @@ class RedisMaterializer:
         self._absorb = client.register_script(ABSORB)
         self._heal = client.register_script(HEAL)
         self._mark = client.register_script(MARK)
+        self._set_window = client.register_script(SET_WINDOW)
 
     async def write(self, key: str, state: KeyState, change: Change, spec: WindowSpec) -> None:
         """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step.
@@ -118,6 +131,34 @@ class RedisMaterializer:
         )
         absorbed = (change.absorbed,) if change.absorbed else ()
         await self.absorb(key, value, spec, absorbed, version=state.version)
+
+    async def write_batch(self, writes: Sequence[KeyWrite]) -> None:
+        """Mirror one fold batch: every key's window (and absorbed reservations) in one
+        pipeline, each key's write atomic on its own (:data:`ABSORB` or a MULTI)."""
+        if not writes:
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for w in writes:
+                px = 2 * w.spec.window_ms
+                window = w.window()
+                wkey = window_key(self.prefix, w.key)
+                vkey = window_version_key(self.prefix, w.key)
+                if w.absorbed:
+                    await self._absorb(
+                        keys=[
+                            wkey,
+                            pending_window_key(self.prefix, w.key),
+                            pending_reservations_key(self.prefix, w.key),
+                            vkey,
+                        ],
+                        args=[window or b"", px, w.version, *w.absorbed],
+                        client=pipe,
+                    )
+                elif window is not None:
+                    await self._set_window(
+                        keys=[wkey, vkey], args=[window, px, w.version], client=pipe
+                    )
+            await pipe.execute()
 
     async def heal(self, key: str, state: KeyState) -> bool:
         """Rewrite ``key``'s window from ``state`` if Redis differs and holds nothing newer.

@@ -1,6 +1,6 @@
 """The keyed topic's value: one budget key's events of one fold batch from one source partition.
 
-A key whose counter spans tenants (see ``streams.fold.tenant_scoped``) is accounted on the
+A key whose counter spans tenants (see ``schemas.shards.tenant_scoped``) is accounted on the
 keyed topic, partitioned by budget key. The fold sends it one :class:`RemoteBatch` per
 (key, source partition) and batch instead of one message per event: the policy's window
 once, then per event only what ``streams.ledger.apply`` needs (producer duplicates were

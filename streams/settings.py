@@ -44,6 +44,11 @@ class WorkerSettings(BaseSettings):
     #: a key's state larger is dead-lettered instead (the changelog's message limit is
     #: 1,000,000 bytes).
     max_value_bytes: int = Field(900_000, ge=1_024, le=1_000_000)
+    #: Records folded together at most (one table value and one Redis write per key per
+    #: batch), and how long a batch waits for more before it is folded anyway (what a
+    #: record at a low rate waits at most before its windows are written).
+    batch_size: int = Field(1000, ge=1, le=100_000)
+    batch_linger_s: float = Field(0.02, gt=0, le=5.0)
     #: How far in the future ``occurred_at`` may lie before it is clamped.
     max_future_skew_ms: int = Field(300_000, ge=0)
 

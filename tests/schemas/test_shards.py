@@ -40,15 +40,12 @@ class TestTenantScoped:
 
 
 class TestMarksFor:
-    def test_a_tenant_key_needs_its_usage_and_keyed_partitions(
+    def test_a_tenant_key_needs_only_its_usage_partition(
         self, policy_factory: PolicyFactory
     ) -> None:
         topo = Topology(usage=4, keyed=8)
         marks = topo.marks_for(policy_factory(), "p|tenant=acme", b"acme")
-        assert marks == (
-            usage_mark(partition_for(b"acme", 4)),
-            keyed_mark(partition_for(b"p|tenant=acme", 8)),
-        )
+        assert marks == (usage_mark(partition_for(b"acme", 4)),)
 
     def test_a_key_across_tenants_needs_every_usage_partition(
         self, policy_factory: PolicyFactory

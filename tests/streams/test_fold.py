@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import window_codec
 from schemas.alerts import Alert
 from schemas.policies import Policy
+from schemas.shards import tenant_scoped
 from streams.alerting import evaluate
 from streams.dedupe import IdStore, Position
 from streams.fanout import fan_out
@@ -23,9 +25,8 @@ from streams.fold import (
     UsageRecord,
     fold_keyed,
     fold_usage,
-    tenant_scoped,
 )
-from streams.ledger import KeyState, apply
+from streams.ledger import KeyedRecord, KeyState, apply
 from streams.remote import RemoteBatch
 
 BASE_MS = 1_800_000_000_000
@@ -430,3 +431,20 @@ class TestRemoteKeys:
         assert (refusal.topic, refusal.partition, refusal.offset) == ("keyed", 2, 9)
         assert refusal.reason.startswith("not a keyed batch")
         assert not result.writes
+
+
+class TestUpgrade:
+    def test_a_keyed_record_from_the_per_record_worker_is_still_applied(self) -> None:
+        rec = KeyedRecord(
+            event_id="e1", kind="commit", policy="g", key="g", occurred_ms=BASE_MS,
+            amount=7, window_ms=60_000, bucket_ms=1_000, limit=100, src_partition=0,
+            src_offset=3,
+        )  # fmt: skip
+        states: dict[str, KeyState] = {}
+        result = fold_keyed(
+            [KeyedMessage(0, 0, orjson.dumps(rec.to_json()))],
+            lambda k: states.setdefault(k, KeyState()),
+            max_value_bytes=900_000,
+        )
+        assert result.refusals == []
+        assert sum(states["g"].buckets.values()) == 7
