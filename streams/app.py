@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -86,6 +87,8 @@ def build_app(
     # without persistence) and the worker rewrites everything it owns from its table.
     marker = f"{settings.redis_prefix}worker:{uuid.uuid4().hex}"
     keeper = MarkKeeper()
+    #: Set on every assignment: rewrite the windows before vouching for them.
+    reassigned = {"flag": True}
     #: (topic, partition) -> (next offset to handle, broker ms of the last one handled).
     handled: dict[tuple[str, int], tuple[int, int]] = {}
     ids = IdStore(
@@ -163,9 +166,16 @@ def build_app(
 
     @app.timer(interval=0.5)  # type: ignore[untyped-decorator]
     async def keep_redis() -> None:
+        try:
+            await keep_redis_once()
+        except Exception as exc:  # noqa: BLE001 - a timer that raises stops the worker
+            logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
+
+    async def keep_redis_once() -> None:
+        """Restore what Redis lost, republish changed policies, write the applied marks."""
         if not book.ready.is_set():
             return
-        lost = not await materializer.client.exists(marker)
+        lost = reassigned["flag"] or not await materializer.client.exists(marker)
         recovery = getattr(app.tables, "recovery", None)
         recovering = recovery is not None and recovery.in_recovery
         if lost and not keeper.holding:
@@ -186,10 +196,15 @@ def build_app(
                 await materializer.restore(key, KeyState.from_bytes(value))
                 restored += 1
             await materializer.client.set(marker, b"1")
+            reassigned["flag"] = False
             logger.info("wrote %d budget windows and the policies into Redis", restored)
             lost = False
         if lost or recovering:
             return
+        # Bounded: a broker that does not answer leaves the marks to age into stale.
+        await asyncio.wait_for(write_marks(), timeout=5.0)
+
+    async def write_marks() -> None:
         tps = owned()
         complete = await materializer.marks_present(topology().all_usage_marks())
         due = keeper.due(await progress(tps), complete)
@@ -231,6 +246,9 @@ def build_app(
         split_positions.forget()
         account_positions.forget()
         handled.clear()
+        # Partitions may be new here: their windows are rewritten from the table (after
+        # its recovery) and vouched for only once caught up, as after a loss of Redis.
+        reassigned["flag"] = True
 
     async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
         """Records of this partition the stream skipped before ``offset`` (read back)."""

@@ -39,7 +39,7 @@ from tests.fixtures.admission import free_port
 from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, pending_sum
-from tests.fixtures.pipeline import Workers
+from tests.fixtures.pipeline import Workers, all_marked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 SCENARIO = 2
@@ -159,8 +159,11 @@ class TestBrokerRestart:
         stack_workers.start()
         await publish_policies(settings, [closed, opened])
         await eventually(
-            lambda: client.hlen(f"{settings.redis_prefix}policies") == 2,
-            what="policies materialized",
+            lambda: (
+                client.hlen(f"{settings.redis_prefix}policies") == 2
+                and all_marked(client, settings.redis_prefix)
+            ),
+            what="policies materialized, every partition vouched for",
         )
         proc = admission_procs.start(
             kafka_bootstrap=settings.kafka_bootstrap,
