@@ -384,7 +384,9 @@ def build_app(
             split_positions.handled(partition, last.offset)
             done(first.topic, partition, last.offset, last.broker_ms)
             metrics.OFFSET.labels(topic=first.topic, partition=str(partition)).set(last.offset)
-            metrics.LAG.observe(max(0.0, time.time() - last.broker_ms / 1000))
+            now = time.time()
+            for r in records:
+                metrics.LAG.observe(max(0.0, now - r.broker_ms / 1000))
 
     async def fold_keyed_batch(events: list[Any]) -> None:
         """Fold one batch of keyed messages (keys spanning tenants), partition by partition."""
