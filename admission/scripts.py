@@ -17,6 +17,8 @@ __all__ = [
     "SETTLE",
     "AdmitHeader",
     "AdmitTarget",
+    "TargetTemplate",
+    "encode_deps",
 ]
 
 ArgValue = int | str
@@ -107,9 +109,69 @@ class AdmitTarget:
             self.cap_s,
             self.cap_r,
             self.cap_d,
-            ",".join(str(d) for d in self.deps),
+            encode_deps(self.deps),
             self.failure,
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class TargetTemplate:
+    """:class:`AdmitTarget` with the entries that depend only on the policy encoded once.
+
+    Built once per policy version; :meth:`argv` fills in what each request brings and
+    gives exactly ``AdmitTarget(...).argv()`` for the same values (a test checks it).
+    """
+
+    head: tuple[ArgValue, ...]
+    middle: tuple[ArgValue, ...]
+    failure: int
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        limit: int,
+        window_ms: int,
+        bucket_ms: int,
+        boundary: str,
+        reservation_ttl_ms: int,
+        observe: bool,
+        on_exceed: int,
+        failure: int,
+    ) -> TargetTemplate:
+        """The template of one policy (the same fields as :class:`AdmitTarget`)."""
+        return cls(
+            (limit, window_ms, bucket_ms, boundary),
+            (reservation_ttl_ms, int(observe), on_exceed),
+            failure,
+        )
+
+    def argv(
+        self,
+        amount: int,
+        downgrade_plan: int,
+        cap_s: int,
+        cap_r: int,
+        cap_d: int,
+        deps: str,
+    ) -> list[ArgValue]:
+        """The entries of one target; ``deps`` already joined (:func:`encode_deps`)."""
+        return [
+            *self.head,
+            amount,
+            *self.middle,
+            downgrade_plan,
+            cap_s,
+            cap_r,
+            cap_d,
+            deps,
+            self.failure,
+        ]
+
+
+def encode_deps(deps: tuple[int, ...]) -> str:
+    """The ``deps`` entry of a target: the mark indexes, comma-separated."""
+    return ",".join(str(d) for d in deps)
 
 
 #: ARGV entries before the mark fields in :data:`ADMIT` (``marks`` is sent as its count).

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import redis.asyncio as aioredis
 import uvicorn
@@ -42,7 +44,8 @@ def redis_client(settings: AdmissionSettings) -> aioredis.Redis:
         socket_connect_timeout=settings.redis_timeout_s,
         retry=Retry(NoBackoff(), 0),
     )
-    return aioredis.Redis(connection_pool=pool)
+    # Owned by the client: closing it disconnects the pool (else the sockets leak).
+    return aioredis.Redis.from_pool(pool)
 
 
 def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetStore:
@@ -113,12 +116,40 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
     )
 
 
-def serve(settings: AdmissionSettings) -> None:
-    """Serve until interrupted."""
-    uvicorn.run(
-        build_app(settings),
-        host=settings.admission_host,
-        port=settings.admission_port,
-        log_level="warning",
-        access_log=False,
-    )
+def app_from_env() -> FastAPI:
+    """The app of one worker process of ``serve(..., workers=N)``: its settings are read
+    from the environment when the process starts (as ``spendgate admission`` reads them)."""
+    return build_app(AdmissionSettings())
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """The server stack, chosen by measurement (``bench/admission.py``): uvloop's event
+    loop and httptools' HTTP parser, each when installed (else asyncio's loop, h11)."""
+    return {
+        "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+        "log_level": "warning",
+        "access_log": False,
+    }
+
+
+def serve(settings: AdmissionSettings, workers: int = 1) -> None:
+    """Serve until interrupted, in ``workers`` processes sharing the listening port.
+
+    Every process decides through the same atomic script, so they need nothing from each
+    other. With more than one, each process builds its app with :func:`app_from_env`, so
+    ``settings`` must be the environment's (as the CLI's are).
+    """
+    options = uvicorn_options()
+    host, port = settings.admission_host, settings.admission_port
+    if workers > 1:
+        uvicorn.run(
+            "admission.server:app_from_env",
+            factory=True,
+            workers=workers,
+            host=host,
+            port=port,
+            **options,
+        )
+    else:
+        uvicorn.run(build_app(settings), host=host, port=port, **options)

@@ -14,11 +14,20 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission.backpressure import Backpressure
+from admission.decide import (
+    AdmitResult,
+    CapTerms,
+    Charge,
+    KeyState,
+    Outcome,
+    Plan,
+    PolicyTerms,
+    State,
+)
 from admission.exceptions import Overloaded, StoreUnavailable
 from admission.metrics import OVERLOADED, STORE_FAILURES
-from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE, AdmitHeader, AdmitTarget
+from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE, AdmitHeader, encode_deps
 from schemas.events import Subject, Usage, partition_key
-from schemas.matching import BudgetTarget
 from schemas.policies import Policy
 from schemas.redis_keys import (
     marks_key,
@@ -32,7 +41,17 @@ from schemas.redis_keys import (
     unpublished_reserves_key,
     window_key,
 )
-from schemas.shards import Topology
+from schemas.shards import Topology, partition_for, usage_mark
+
+__all__ = [
+    "AdmitResult",
+    "BudgetStore",
+    "CapTerms",
+    "Charge",
+    "KeyState",
+    "Plan",
+    "SettleResult",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +60,6 @@ IDEMPOTENCY_TTL_MS = 24 * 3_600_000
 #: A reservation record outlives its longest TTL by this, so a late commit still finds it.
 RECORD_GRACE_MS = 3_600_000
 
-Outcome = Literal["reject", "allow", "cap", "observe_reject", "unvouched"]
 #: The script's outcome codes (4, "try downgrade", never leaves the script).
 _OUTCOMES: dict[int, Outcome] = {
     0: "reject",
@@ -50,76 +68,13 @@ _OUTCOMES: dict[int, Outcome] = {
     3: "observe_reject",
     5: "unvouched",
 }
-_ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2}
-_FAILURE = {"closed": 0, "open": 1, "degraded": 2}
-#: Whether Redis holds a window the worker vouches for (see ``schemas.shards``).
-State = Literal["vouched", "stale", "missing"]
 _STATES: tuple[State, ...] = ("vouched", "stale", "missing")
 #: A mark field no worker writes: without a topology every window counts as missing.
 _NO_TOPOLOGY = "topology-unknown"
 _STORE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Mark dependencies remembered per budget key (cleared when full or the topology changes).
+_DEPS_MEMORY = 100_000
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class CapTerms:
-    """How a key's amount depends on the output tokens ``o``: ``ceil((s + o*r) / d)``.
-
-    ``r == 0`` means capping output cannot lower this key's amount.
-    """
-
-    s: int = 0
-    r: int = 0
-    d: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Charge:
-    """One budget key to check, with the amount this request would hold on it.
-
-    ``alt`` is the index (0-based, > 0) of the plan to try when this key refuses and
-    its policy downgrades; 0 for none.
-    """
-
-    target: BudgetTarget
-    amount: int
-    cap: CapTerms = CapTerms()
-    alt: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The request for one subject (the original, or with a downgraded model)."""
-
-    subject: Subject
-    charges: tuple[Charge, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class KeyState:
-    """One key as the decision saw it."""
-
-    used: int
-    reserved: int
-    own: int
-    violated: bool
-    reset_after_ms: int
-    state: State = "vouched"
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitResult:
-    """What the admit script decided, with the state of each key of the reported plan."""
-
-    replayed: bool
-    outcome: Outcome
-    now_ms: int
-    retry_after_ms: int | None
-    never_fits: bool
-    reservation_id: str
-    plan: int
-    max_output_tokens: int | None
-    keys: tuple[KeyState, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +123,10 @@ class BudgetStore:
         self._version: bytes | str | None = None
         #: The partition counts the worker's marks refer to (None: not known yet).
         self.topology: Topology | None = None
+        #: Mark names per tenant (tenant-scoped keys) and per budget key (the others).
+        self._tenant_marks: dict[str, tuple[str, ...]] = {}
+        self._key_marks: dict[str, tuple[str, ...]] = {}
+        self._marks_of: Topology | None = None
         self._checked = 0.0
         self._down_until = 0.0
         self._refreshing = asyncio.Lock()
@@ -279,42 +238,39 @@ class BudgetStore:
                 script timed out after it was sent (``loop_lag``): then its reservation may
                 stand, and a retry with the same request id returns it.
         """
+        prefix = self.prefix
         keys = [
-            request_key(self.prefix, plans[0].subject.tenant, request_id),
-            reservation_key(self.prefix, reservation_id),
-            unpublished_reserves_key(self.prefix),
-            marks_key(self.prefix),
+            request_key(prefix, plans[0].subject.tenant, request_id),
+            reservation_key(prefix, reservation_id),
+            unpublished_reserves_key(prefix),
+            marks_key(prefix),
         ]
         record_ttl_ms = RECORD_GRACE_MS
         args: list[int | str] = []
         marks: dict[str, int] = {}
         for plan in plans:
-            args += [plan.subject.model_dump_json(exclude_defaults=True), len(plan.charges)]
-            tenant_key = partition_key(plan.subject)
+            subject = plan.subject
+            args += [subject.model_dump_json(exclude_defaults=True), len(plan.charges)]
             for charge in plan.charges:
-                policy = charge.target.policy
+                key = charge.target.key
+                terms = charge.terms or PolicyTerms.of(charge.target.policy)
                 keys += [
-                    window_key(self.prefix, charge.target.key),
-                    pending_window_key(self.prefix, charge.target.key),
-                    pending_reservations_key(self.prefix, charge.target.key),
+                    window_key(prefix, key),
+                    pending_window_key(prefix, key),
+                    pending_reservations_key(prefix, key),
                 ]
-                record_ttl_ms = max(record_ttl_ms, policy.reservation_ttl_ms + RECORD_GRACE_MS)
-                args += AdmitTarget(
-                    limit=policy.limit,
-                    window_ms=policy.window_ms,
-                    bucket_ms=policy.bucket_ms,
-                    boundary=policy.boundary,
-                    amount=charge.amount,
-                    reservation_ttl_ms=policy.reservation_ttl_ms,
-                    observe=policy.mode == "observe",
-                    on_exceed=_ON_EXCEED[policy.on_exceed],
-                    downgrade_plan=charge.alt + 1 if charge.alt else 0,
-                    cap_s=charge.cap.s,
-                    cap_r=charge.cap.r,
-                    cap_d=charge.cap.d,
-                    deps=self._deps(marks, policy, charge.target.key, tenant_key),
-                    failure=_FAILURE[policy.failure],
-                ).argv()
+                ttl_ms = terms.reservation_ttl_ms + RECORD_GRACE_MS
+                if ttl_ms > record_ttl_ms:
+                    record_ttl_ms = ttl_ms
+                cap = charge.cap
+                args += terms.template.argv(
+                    charge.amount,
+                    charge.alt + 1 if charge.alt else 0,
+                    cap.s,
+                    cap.r,
+                    cap.d,
+                    self._deps(marks, terms, key, subject),
+                )
         usage = estimate if estimate is not None else Usage(output_tokens=estimate_output_tokens)
         header = AdmitHeader(
             read_only=read_only,
@@ -329,43 +285,41 @@ class BudgetStore:
         )
         args = header.argv() + args
         raw = await self._call("admit", lambda: self._admit(keys=keys, args=args))
-        replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
-        retry = int(retry)
-        # An answer stored before the state entry existed has one entry less per key.
-        per = ADMIT_REPLY_PER_TARGET if len(rest) >= int(n) * ADMIT_REPLY_PER_TARGET else 5
-        states = tuple(
-            KeyState(
-                used=int(rest[i]),
-                reserved=int(rest[i + 1]),
-                own=int(rest[i + 2]),
-                violated=bool(int(rest[i + 3])),
-                reset_after_ms=int(rest[i + 4]),
-                state=_STATES[int(rest[i + 5])] if per > 5 else "vouched",
-            )
-            for i in range(0, int(n) * per, per)
-        )
-        return AdmitResult(
-            replayed=bool(int(replayed)),
-            outcome=_OUTCOMES[int(outcome)],
-            now_ms=int(now_ms),
-            retry_after_ms=retry if retry >= 0 else None,
-            never_fits=retry == -2,
-            reservation_id=_text(rid),
-            plan=int(plan) - 1,
-            max_output_tokens=int(max_out) if int(max_out) >= 0 else None,
-            keys=states,
-        )
+        return _result(raw)
 
-    def _deps(
-        self, marks: dict[str, int], policy: Policy, key: str, tenant_key: bytes
-    ) -> tuple[int, ...]:
-        """The 1-based indexes into ``marks`` (grown as needed) of the marks ``key`` needs."""
-        names = (
-            self.topology.marks_for(policy, key, tenant_key)
-            if self.topology is not None
-            else (_NO_TOPOLOGY,)
-        )
-        return tuple(marks.setdefault(name, len(marks) + 1) for name in names)
+    def _deps(self, marks: dict[str, int], terms: PolicyTerms, key: str, subject: Subject) -> str:
+        """The ``deps`` entry of ``key``: the 1-based indexes into ``marks`` (grown as
+        needed) of the marks its window depends on."""
+        topology = self.topology
+        if topology is not self._marks_of:
+            self._tenant_marks.clear()
+            self._key_marks.clear()
+            self._marks_of = topology
+        if topology is None:
+            names: tuple[str, ...] = (_NO_TOPOLOGY,)
+        elif terms.tenant_scoped:
+            # One usage partition, found by the tenant (Kafka's murmur2 of the record key).
+            tenant = subject.tenant or "_"
+            names = self._tenant_marks.get(tenant) or self._remember(
+                self._tenant_marks,
+                tenant,
+                (usage_mark(partition_for(partition_key(subject), topology.usage)),),
+            )
+        else:
+            found = self._key_marks.get(key)
+            names = found or self._remember(
+                self._key_marks, key, topology.marks_for(terms.policy, key, b"")
+            )
+        return encode_deps(tuple(marks.setdefault(name, len(marks) + 1) for name in names))
+
+    @staticmethod
+    def _remember(
+        memory: dict[str, tuple[str, ...]], key: str, names: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        if len(memory) >= _DEPS_MEMORY:
+            memory.clear()
+        memory[key] = names
+        return names
 
     async def reservation_subject(self, reservation_id: str) -> Subject | None:
         """The subject an open reservation was made for, or None.
@@ -398,3 +352,34 @@ class BudgetStore:
     async def ping(self) -> bool:
         """True when Redis answers."""
         return bool(await self._call("ping", self.client.ping))
+
+
+def _result(raw: list[bytes | int]) -> AdmitResult:
+    """Decode the admit script's reply (layout in ``admission.scripts.ADMIT``)."""
+    replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
+    retry = int(retry)
+    count = int(n)
+    # An answer stored before the state entry existed has one entry less per key.
+    per = ADMIT_REPLY_PER_TARGET if len(rest) >= count * ADMIT_REPLY_PER_TARGET else 5
+    states = tuple(
+        KeyState(
+            used=int(rest[i]),
+            reserved=int(rest[i + 1]),
+            own=int(rest[i + 2]),
+            violated=bool(int(rest[i + 3])),
+            reset_after_ms=int(rest[i + 4]),
+            state=_STATES[int(rest[i + 5])] if per > 5 else "vouched",
+        )
+        for i in range(0, count * per, per)
+    )
+    return AdmitResult(
+        replayed=bool(int(replayed)),
+        outcome=_OUTCOMES[int(outcome)],
+        now_ms=int(now_ms),
+        retry_after_ms=retry if retry >= 0 else None,
+        never_fits=retry == -2,
+        reservation_id=_text(rid),
+        plan=int(plan) - 1,
+        max_output_tokens=int(max_out) if int(max_out) >= 0 else None,
+        keys=states,
+    )

@@ -10,7 +10,11 @@ Baselines measured in the same run:
       the client ``admission.server.redis_client`` builds (plans prebuilt, so only the
       script round trip is timed), from a separate process;
   (b) ``empty``: a FastAPI app with one empty route served by uvicorn with the same
-      settings as ``spendgate admission``.
+      options as ``spendgate admission`` (``admission.server.uvicorn_options``), and a
+      bare ASGI endpoint on the same stack (the server's own cost).
+Also: ``spendgate admission --workers 2`` against the one-process server, and a policy
+scale run: one policy per tenant (exact ``match`` on ``tenant``), 10 against 10,000
+policies, each on its own server and key prefix, requests spread over every tenant.
 
 Run: ``.venv/bin/python -m bench.admission`` (``--smoke`` for the CI mode, ``--help``).
 """
@@ -154,6 +158,24 @@ def _load_main(spec_path: str) -> None:
 # --------------------------------------------------------------------------- orchestration
 
 
+def _tenant_policies(count: int) -> list[Any]:
+    from schemas.policies import Policy
+
+    return [
+        Policy.model_validate(
+            {
+                "id": f"pt{i}",
+                "match": {"tenant": f"t{i}"},
+                "unit": "total_tokens",
+                "limit": 10**12,
+                "window": WINDOW,
+                "bucket": BUCKET,
+            }
+        )
+        for i in range(count)
+    ]
+
+
 def _policies(budgets: list[int]) -> list[Any]:
     from schemas.policies import Policy
 
@@ -174,13 +196,16 @@ def _policies(budgets: list[int]) -> list[Any]:
     ]
 
 
-async def _prepare(rid: str, budgets: list[int], tenants: int) -> None:
-    """Topics, the policies in Redis, and a 60-bucket (dense) window on every key used."""
+async def _prepare(
+    rid: str, budgets: list[int], tenants: int, policies: list[Any] | None = None
+) -> None:
+    """Topics, the policies in Redis, and a 60-bucket (dense) window on every key used
+    (``policies``: those instead of ``budgets``' policies, model ``ms``)."""
     import redis.asyncio as aioredis
 
     from schemas import window_codec
     from schemas.events import Subject
-    from schemas.matching import targets
+    from schemas.matching import PolicyIndex
     from schemas.redis_keys import window_key
     from streams.materialize import RedisMaterializer
     from streams.settings import WorkerSettings
@@ -189,7 +214,11 @@ async def _prepare(rid: str, budgets: list[int], tenants: int) -> None:
     await ensure_topics(
         WorkerSettings(kafka_bootstrap=c.KAFKA, topic_prefix=f"{rid}.", partitions=1)
     )
-    policies = _policies(budgets)
+    models = [f"m{n}" for n in budgets]
+    if policies is None:
+        policies = _policies(budgets)
+    else:
+        models = ["ms"]
     client = aioredis.Redis.from_url(c.REDIS)
     try:
         await RedisMaterializer(client, f"{rid}:").stand_in(policies, c.STAND_IN, 2**52)
@@ -197,9 +226,10 @@ async def _prepare(rid: str, budgets: list[int], tenants: int) -> None:
         head = now_ms - now_ms % 60_000
         value = window_codec.encode({head - k * 60_000: 100 for k in range(60)}, 60_000)
         async with client.pipeline(transaction=False) as pipe:
-            for n in budgets:
+            index = PolicyIndex(policies)
+            for model in models:
                 for t in range(tenants):
-                    for target in targets(policies, Subject(tenant=f"t{t}", model=f"m{n}")):
+                    for target in index.targets(Subject(tenant=f"t{t}", model=model)):
                         pipe.set(window_key(f"{rid}:", target.key), value, px=7_200_000)
             await pipe.execute()
     finally:
@@ -240,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=200_000, help="cap per run")
     ap.add_argument("--smoke", action="store_true", help="tiny CI run (a few hundred requests)")
     ap.add_argument("--profile", action="store_true", help="py-spy the server under load")
+    ap.add_argument(
+        "--scale",
+        default="10,10000",
+        help="policy counts of the per-tenant policy scale run ('' for none)",
+    )
+    ap.add_argument("--workers", type=int, default=2, help="processes of the multi-process run")
     ap.add_argument("--plots", default=str(c.PLOTS), help="where PNGs go ('' for none)")
     ap.add_argument("--load", help=argparse.SUPPRESS)
     c.add_check_flag(ap)
@@ -251,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.seconds, args.rate, args.tenants, args.max_requests = 0.5, 200.0, 20, 200
         budgets = [1]
+        args.scale = ""
         args.plots = ""
     rid = c.run_id("adm")
     c.print_header(
@@ -269,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tmp = Path(tempfile.mkdtemp(prefix=f"{rid}-"))
     asyncio.run(_prepare(rid, budgets, args.tenants))
-    sg_port, empty_port = c.free_port(), c.free_port()
+    sg_port, empty_port, bare_port = c.free_port(), c.free_port(), c.free_port()
+    multi_port = c.free_port()
+    scales = [int(x) for x in args.scale.split(",") if x]
     env = {
         "SPENDGATE_KAFKA_BOOTSTRAP": c.KAFKA,
         "SPENDGATE_REDIS_URL": c.REDIS,
@@ -287,9 +326,15 @@ def main(argv: list[str] | None = None) -> int:
             c.process(
                 [c.python(), "-m", "bench._empty_app", str(empty_port)], {}, tmp / "empty.log"
             ),
+            c.process(
+                [c.python(), "-m", "bench._empty_app", str(bare_port), "asgi"],
+                {},
+                tmp / "bare.log",
+            ),
         ):
             c.wait_http(sg_port, "/readyz")
             c.wait_http(empty_port, "/healthz")
+            c.wait_http(bare_port, "/healthz")
             base = {
                 "seconds": args.seconds,
                 "max_requests": args.max_requests,
@@ -322,14 +367,48 @@ def main(argv: list[str] | None = None) -> int:
                 )
 
             run("baseline empty endpoint", "http", "closed", 1, empty_port)
+            run("baseline bare asgi endpoint", "http", "closed", 1, bare_port)
             for n in budgets:
                 run(f"spendgate /v1/admit, {n} budget(s)", "http", "closed", n, sg_port)
                 run(f"baseline lua direct, {n} budget(s)", "lua", "closed", n)
             run("baseline empty endpoint (again)", "http", "closed", 1, empty_port)
             run("baseline empty endpoint", "http", "open", 1, empty_port)
+            run("baseline bare asgi endpoint", "http", "open", 1, bare_port)
             for n in budgets:
+                if n > 5:
+                    continue
                 run(f"spendgate /v1/admit, {n} budget(s)", "http", "open", n, sg_port)
                 run(f"baseline lua direct, {n} budget(s)", "lua", "open", n)
+            if args.workers > 1:
+                with c.process(
+                    [
+                        c.python(),
+                        "-m",
+                        "spendgate",
+                        "admission",
+                        "--workers",
+                        str(args.workers),
+                    ],
+                    {**env, "SPENDGATE_ADMISSION_PORT": str(multi_port)},
+                    tmp / "admission-multi.log",
+                ):
+                    c.wait_http(multi_port, "/readyz")
+                    for n in budgets:
+                        if n <= 5:
+                            run(
+                                f"spendgate x{args.workers} processes, {n} budget(s)",
+                                "http",
+                                "closed",
+                                n,
+                                multi_port,
+                            )
+                    run(
+                        f"spendgate /v1/admit, 1 process, {budgets[0]} budget(s) (again)",
+                        "http",
+                        "closed",
+                        budgets[0],
+                        sg_port,
+                    )
             if args.profile:
                 out = tmp / "admission-profile.txt"
                 n = 5 if 5 in budgets else budgets[0]
@@ -338,6 +417,46 @@ def main(argv: list[str] | None = None) -> int:
                 if spy is not None:
                     spy.wait(timeout=60)
                 profile_lines = _profile.summarize(out, top=15)
+        for count in scales:
+            srid = f"{rid}s{count}"
+            asyncio.run(_prepare(srid, [], count, _tenant_policies(count)))
+            port = c.free_port()
+            scale_env = {
+                **env,
+                "SPENDGATE_TOPIC_PREFIX": f"{srid}.",
+                "SPENDGATE_REDIS_PREFIX": f"{srid}:",
+                "SPENDGATE_ADMISSION_PORT": str(port),
+            }
+            try:
+                with c.process(
+                    [c.python(), "-m", "spendgate", "admission"],
+                    scale_env,
+                    tmp / f"admission-{count}.log",
+                ):
+                    c.wait_http(port, "/readyz")
+                    spec = {
+                        **base,
+                        "tenants": count,
+                        "prefix": f"{srid}:",
+                        "label": f"spendgate {count:,} policies (1 per tenant)",
+                        "target": "http",
+                        "mode": "closed",
+                        "budgets": 1,
+                        "model": "ms",
+                        "port": port,
+                        "tag": f"{srid}-{uuid.uuid4().hex[:6]}",
+                        "connections": args.concurrency,
+                    }
+                    results.append(_run_load(spec, tmp))
+                    last = results[-1]
+                    print(
+                        f"  ran {spec['label']:34s} closed n={last['n']:>7,} "
+                        f"{last['n'] / last['elapsed_s']:>9,.0f}/s statuses={last['statuses']}",
+                        flush=True,
+                    )
+            finally:
+                c.delete_redis_prefix(c.REDIS, f"{srid}:")
+                c.delete_topics(c.KAFKA, f"{srid}.")
     finally:
         c.delete_redis_prefix(c.REDIS, f"{rid}:")
         c.delete_topics(c.KAFKA, f"{rid}.")
@@ -384,26 +503,81 @@ def _report(
     def find(label_start: str, mode: str) -> list[dict[str, Any]]:
         return [r for r in results if r["label"].startswith(label_start) and r["mode"] == mode]
 
+    def rate(r: dict[str, Any]) -> float:
+        return float(r["n"] / r["elapsed_s"])
+
+    def p99(r: dict[str, Any]) -> float:
+        return float(c.summary_ms(r["latencies"])["p99_ms"])
+
+    def first(label_start: str, mode: str) -> dict[str, Any] | None:
+        found = find(label_start, mode)
+        return found[0] if found else None
+
     empties = find("baseline empty endpoint", "closed")
-    empty_rps = max(r["n"] / r["elapsed_s"] for r in empties)
+    empty_rps = max(rate(r) for r in empties)
+    bare = first("baseline bare asgi endpoint", "closed")
+    empty_open = first("baseline empty endpoint", "open")
+    bare_open = first("baseline bare asgi endpoint", "open")
     print()
     print("targets:")
+    print(
+        f"  (same run; empty endpoint: FastAPI empty route, best of {len(empties)} "
+        f"runs {empty_rps:,.0f} req/s"
+        + (f"; bare ASGI endpoint {rate(bare):,.0f} req/s" if bare else "")
+        + "; same uvicorn options as spendgate)"
+    )
+    floors = {1: 0.5, 5: 0.3}
+    one = first("spendgate /v1/admit, 1 ", "closed")
     for n in budgets:
-        sg_closed = find(f"spendgate /v1/admit, {n} ", "closed")[0]
-        sg_open = find(f"spendgate /v1/admit, {n} ", "open")[0]
-        lua_open = find(f"baseline lua direct, {n} ", "open")[0]
-        p99 = c.summary_ms(sg_open["latencies"])["p99_ms"]
-        lua_p99 = c.summary_ms(lua_open["latencies"])["p99_ms"]
-        rps = sg_closed["n"] / sg_closed["elapsed_s"]
-        p99_ok = c.verdict(p99 <= 3.0, f"p99 {n} budget(s)")
+        sg = first(f"spendgate /v1/admit, {n} ", "closed")
+        if sg is None:
+            continue
+        share = rate(sg) / empty_rps
+        line = f"  {n:>2} budget(s): closed loop {rate(sg):,.0f} admits/s = {100 * share:.0f}%"
+        line += " of empty"
+        if bare:
+            line += f" ({100 * rate(sg) / rate(bare):.0f}% of bare ASGI)"
+        if n in floors:
+            ok = c.verdict(share >= floors[n], f"closed loop {n} budget(s)")
+            line += f" (target >= {100 * floors[n]:.0f}%: {ok})"
+        elif one is not None:
+            rel = rate(sg) / rate(one)
+            line += f"; {100 * rel:.0f}% of 1 budget (target >= 25%: "
+            line += c.verdict(rel >= 0.25, f"{n} budgets vs 1") + ")"
+        print(line)
+        sg_open = first(f"spendgate /v1/admit, {n} ", "open")
+        lua_open = first(f"baseline lua direct, {n} ", "open")
+        if sg_open is not None and empty_open is not None:
+            ok = c.verdict(p99(sg_open) <= 2 * p99(empty_open), f"open-loop p99 {n} budget(s)")
+            print(
+                f"  {n:>2} budget(s): open loop {args.rate:.0f}/s p99 {p99(sg_open):.2f} ms vs "
+                f"empty endpoint p99 {p99(empty_open):.2f} ms (target <= 2x: {ok})"
+                + (f"; bare ASGI p99 {p99(bare_open):.2f} ms" if bare_open else "")
+                + (f"; lua direct p99 {p99(lua_open):.2f} ms" if lua_open else "")
+            )
+    for n in budgets:
+        multi = first(f"spendgate x{args.workers} processes, {n} ", "closed")
+        single = first(f"spendgate /v1/admit, {n} ", "closed")
+        again = first("spendgate /v1/admit, 1 process", "closed")
+        if multi is not None and single is not None:
+            line = (
+                f"  {n:>2} budget(s): {args.workers} processes {rate(multi):,.0f} admits/s vs "
+                f"1 process {rate(single):,.0f}"
+            )
+            if again is not None and n == budgets[0]:
+                line += f" (1 process again, same phase: {rate(again):,.0f})"
+            print(line + " (server, Redis, Kafka and load generator share the machine's cores)")
+    scaled = sorted(
+        (r for r in results if r["label"].startswith("spendgate ") and "policies" in r["label"]),
+        key=lambda r: int(r["label"].split()[1].replace(",", "")),
+    )
+    if len(scaled) >= 2:
+        small, large = scaled[0], scaled[-1]
+        rel = rate(large) / rate(small)
         print(
-            f"  {n:>2} budget(s): p99 at {args.rate:.0f}/s = {p99:.2f} ms (target <= 3 ms: "
-            f"{p99_ok}; baseline lua direct p99 {lua_p99:.2f} ms)"
-        )
-        print(
-            f"  {n:>2} budget(s): closed-loop {rps:,.0f} admits/s = {100 * rps / empty_rps:.0f}% "
-            f"of the empty endpoint's {empty_rps:,.0f} req/s (target >= 50%: "
-            f"{c.verdict(rps >= 0.5 * empty_rps, f'throughput {n} budget(s)')})"
+            f"  policies: {large['label']} {rate(large):,.0f} admits/s = {100 * rel:.0f}% of "
+            f"{small['label']} {rate(small):,.0f} (target >= 90%: "
+            f"{c.verdict(rel >= 0.9, 'policy scale')})"
         )
     if prof:
         print()

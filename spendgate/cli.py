@@ -103,13 +103,22 @@ def worker(json_logs: JsonLogs = False) -> None:
 
 
 @app.command("admission")
-def admission(json_logs: JsonLogs = False) -> None:
+def admission(
+    json_logs: JsonLogs = False,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Processes serving the one port; each decides through the same atomic script.",
+        ),
+    ] = 1,
+) -> None:
     """Run the admission HTTP service (POST /v1/admit ...)."""
     from admission.server import serve
     from admission.settings import AdmissionSettings
 
     _configure_logging(json_logs)
-    serve(AdmissionSettings())
+    serve(AdmissionSettings(), workers=workers)
 
 
 @policy.command("apply")

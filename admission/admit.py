@@ -1,0 +1,297 @@
+"""The admit path: one parse, one plan, one script round trip, one answer; reserve queued.
+
+:class:`AdmitService` is the route's logic around the pure decisions of
+:mod:`admission.decide` and the one store call. :class:`AdmitEndpoint` serves
+``POST /v1/admit`` straight from ASGI in front of the FastAPI app: it reads the body
+once, validates it once (pydantic on the bytes) and sends the answer encoded once. A body
+it cannot validate goes on to the FastAPI route declared for the same path, so refusals
+(and their ``{error: ...}`` bodies) are the framework's, byte for byte, and the OpenAPI
+document keeps describing the route.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from admission.auth import Authorizer, Principal
+from admission.decide import (
+    AdmitResult,
+    Answer,
+    Charge,
+    Plan,
+    Planner,
+    answer_of,
+    fallback_answer,
+    unvouched_of,
+    worst,
+)
+from admission.exceptions import (
+    AdmissionError,
+    Overloaded,
+    PublishUnavailable,
+    StoreUnavailable,
+    Unvouched,
+)
+from admission.fallback import DegradedLedger, LocalReservation, strictest
+from admission.metrics import (
+    DECISIONS,
+    FALLBACK_ADMITS,
+    LATENCY,
+    PUBLISH_OVERFLOW,
+    UNVOUCHED,
+)
+from admission.publisher import UsagePublisher
+from admission.reserves import DEFAULT_TTL_MS, reserve_event
+from admission.store import BudgetStore
+from admission.wire import (
+    error_content,
+    error_headers,
+    error_of,
+    guard_problem,
+    read_body,
+    replaying,
+    send_json,
+)
+from schemas.decisions import AdmitRequest
+from schemas.events import UsageEvent
+from schemas.policies import Policy
+from schemas.prices import PriceCatalog
+
+__all__ = ["AdmitEndpoint", "AdmitService", "bearer"]
+
+logger = logging.getLogger(__name__)
+
+_validate = AdmitRequest.model_validate_json
+
+
+def bearer(authorization: str | None) -> str | None:
+    """``Bearer <credentials>`` as FastAPI's ``HTTPBearer(auto_error=False)`` reads the
+    ``Authorization`` header, or None (no header, no credentials, another scheme)."""
+    if not authorization:
+        return None
+    scheme, _, credentials = authorization.partition(" ")
+    credentials = credentials.strip()
+    if not (scheme and credentials) or scheme.lower() != "bearer":
+        return None
+    return f"Bearer {credentials}"
+
+
+class AdmitService:
+    """Admit one request: plan, one store call, the answer; the reserve event queued.
+
+    Args:
+        store: Redis access.
+        publisher: where reserve events go (never awaited here).
+        prices: the price catalog for ``cost_usd`` policies.
+        ledger: the in-process state used while Redis cannot decide.
+    """
+
+    def __init__(
+        self,
+        store: BudgetStore,
+        publisher: UsagePublisher,
+        prices: PriceCatalog | None,
+        ledger: DegradedLedger,
+    ) -> None:
+        self.store = store
+        self.publisher = publisher
+        self.prices = prices
+        self.ledger = ledger
+        self._planner: Planner | None = None
+
+    def planner(self, policies: Sequence[Policy]) -> Planner:
+        """The planner of ``policies``, rebuilt only when the store read new ones."""
+        planner = self._planner
+        if planner is None or planner.policies is not policies:
+            planner = self._planner = Planner(policies, self.prices)
+        return planner
+
+    async def plans(self, body: AdmitRequest) -> list[Plan]:
+        """The plans of a request under the policies in force."""
+        policies = await self.store.policies()
+        return self.planner(policies).plans(body.subject, body.estimate)
+
+    async def admit(self, body: AdmitRequest, who: Principal) -> Answer:
+        """Decide ``body`` for ``who``.
+
+        Raises:
+            AdmissionError: answered as ``{error: ...}`` (403, 400, 422, 503 ...).
+        """
+        started = time.perf_counter()
+        try:
+            who.check(body.subject.tenant)
+            plans = await self.plans(body)
+            self._check_room(plans[0].charges)
+            try:
+                result = await self.store.admit(
+                    body.request_id,
+                    uuid.uuid4().hex,
+                    plans,
+                    body.estimate.output_tokens,
+                    estimate=body.estimate,
+                )
+            except StoreUnavailable as exc:
+                return self._fallback(body, plans[0].charges, exc)
+            return self._from_result(body, plans, result)
+        except Overloaded:
+            DECISIONS.labels(decision="overloaded").inc()
+            raise
+        finally:
+            LATENCY.observe(time.perf_counter() - started)
+
+    def _publish_or_fail(self, event: UsageEvent) -> None:
+        if self.publisher.publish(event):
+            return
+        # Lost between the room check and here: Redis still holds the reservation as
+        # pending, and lists its reserve as unpublished, so an admission process's sweeper
+        # republishes it after the grace period (admission.sweeper).
+        PUBLISH_OVERFLOW.labels(action="dropped").inc()
+        logger.error("publish buffer full: %s dropped", event.event_id)
+
+    def _check_room(self, charges: Sequence[Charge]) -> None:
+        if self.publisher.has_room():
+            return
+        if strictest([c.target.policy for c in charges]) == "closed":
+            PUBLISH_OVERFLOW.labels(action="refused").inc()
+            raise PublishUnavailable("the publish buffer is full (Kafka unreachable)")
+        PUBLISH_OVERFLOW.labels(action="admitted").inc()
+
+    def _from_result(self, body: AdmitRequest, plans: list[Plan], result: AdmitResult) -> Answer:
+        if result.outcome == "unvouched":
+            return self._unvouched(body, plans, result)
+        answer = answer_of(result, plans, body.subject)
+        if not result.replayed:
+            state = worst(result.keys)
+            if state is not None:
+                UNVOUCHED.labels(state=state, mode="open").inc()
+        DECISIONS.labels(decision=answer.decision).inc()
+        if result.outcome != "reject" and not result.replayed and result.plan < len(plans):
+            plan = plans[result.plan]
+            # Built from the same values the script stored in the reservation record, so a
+            # republished copy (admission.sweeper) is this event byte for byte.
+            ttl_ms = max((c.target.policy.reservation_ttl_ms for c in plan.charges), default=0)
+            self._publish_or_fail(
+                reserve_event(
+                    plan.subject,
+                    body.estimate,
+                    result.reservation_id,
+                    result.now_ms,
+                    ttl_ms,
+                    result.max_output_tokens,
+                )
+            )
+        return answer
+
+    def _unvouched(self, body: AdmitRequest, plans: list[Plan], result: AdmitResult) -> Answer:
+        """Answer a request the script would not decide: a window it depends on is not
+        vouched for, and its policy fails closed (503) or degraded (this process's own
+        allowance, as when Redis is unreachable)."""
+        keys = unvouched_of(plans, result)
+        if keys.closed:
+            UNVOUCHED.labels(state=keys.state, mode="refused").inc()
+            DECISIONS.labels(decision="error").inc()
+            raise Unvouched(f"{keys.why}; policy {', '.join(keys.closed)} fails closed", keys.state)
+        UNVOUCHED.labels(state=keys.state, mode="degraded").inc()
+        return self._fallback(body, keys.blocking, StoreUnavailable(keys.why))
+
+    def _fallback(
+        self, body: AdmitRequest, charges: Sequence[Charge], why: StoreUnavailable
+    ) -> Answer:
+        """Answer without Redis, following the strictest failure mode of ``charges``."""
+        remembered = (body.subject.tenant, body.request_id)
+        previous = self.ledger.answers.get(remembered)
+        if isinstance(previous, Answer):
+            DECISIONS.labels(decision=previous.decision).inc()
+            return previous
+        rid = uuid.uuid4().hex
+        now_ms = int(time.time() * 1000)
+        outcome = fallback_answer(
+            self.ledger, charges, body.subject.model, now_ms, rid, DEFAULT_TTL_MS
+        )
+        if outcome.answer is None:
+            FALLBACK_ADMITS.labels(mode="closed", result="refused").inc()
+            DECISIONS.labels(decision="error").inc()
+            raise StoreUnavailable(
+                f"{why.message}; policy {', '.join(outcome.closed)} fails closed", None
+            ) from why
+        answer = outcome.answer
+        DECISIONS.labels(decision=answer.decision).inc()
+        if not outcome.admitted:
+            FALLBACK_ADMITS.labels(mode=outcome.mode, result="refused").inc()
+            return answer
+        FALLBACK_ADMITS.labels(mode=outcome.mode, result="admitted").inc()
+        self.ledger.reservations.put(rid, LocalReservation(body.subject))
+        self._publish_or_fail(
+            reserve_event(body.subject, body.estimate, rid, now_ms, outcome.ttl_ms)
+        )
+        self.ledger.answers.put(remembered, answer)
+        return answer
+
+
+class AdmitEndpoint:
+    """``POST /v1/admit`` served from ASGI, in front of ``app`` (which serves the rest).
+
+    Args:
+        app: the FastAPI app; it also gets every admit body this path cannot validate.
+        service: the admit logic.
+        authorizer: bearer-token auth.
+        max_body_bytes: larger bodies are refused with 413.
+    """
+
+    def __init__(
+        self, app: ASGIApp, service: AdmitService, authorizer: Authorizer, max_body_bytes: int
+    ) -> None:
+        self.app = app
+        self.service = service
+        self.authorizer = authorizer
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/admit" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        length = content_type = ""
+        authorization: str | None = None
+        for name, value in scope["headers"]:
+            low = name.lower()
+            if low == b"content-length":
+                length = value.decode("latin-1")
+            elif low == b"content-type":
+                content_type = value.decode("latin-1")
+            elif low == b"authorization" and authorization is None:
+                authorization = value.decode("latin-1")
+        problem = guard_problem(length, content_type, self.max_body_bytes)
+        if problem is None:
+            raw = await read_body(receive, self.max_body_bytes)
+            if raw is None:
+                return
+            if isinstance(raw, bytes):
+                try:
+                    body = _validate(raw)
+                except ValidationError:
+                    # The framework's route refuses it, with its own words and field.
+                    await self.app(scope, replaying(raw, receive), send)
+                    return
+                await self._admit(body, authorization, send)
+                return
+            problem = raw
+        await send_json(send, problem.status, error_of(problem))
+
+    async def _admit(self, body: AdmitRequest, authorization: str | None, send: Send) -> None:
+        try:
+            who = self.authorizer.principal(bearer(authorization))
+            answer = await self.service.admit(body, who)
+        except AdmissionError as exc:
+            await send_json(send, exc.status, error_of(exc), error_headers(exc))
+            return
+        except Exception:
+            logger.exception("internal error")
+            await send_json(send, 500, error_content("internal", "internal error"))
+            return
+        await send_json(send, answer.status, answer.body, answer.headers)
