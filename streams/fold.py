@@ -269,6 +269,10 @@ class _Fold:
             size = len(state.to_bytes())
             if size > self.max_value_bytes:
                 _restore(state, before)
+                # Refused for good: its position counts as handled, so a redelivery of
+                # it is a redelivery (never applied later, never dead-lettered twice).
+                state.offsets[rec.src_partition] = rec.src_offset
+                touched.changed = True
                 self.counts.outcomes["too_large"] += 1
                 self.refuse(
                     f"budget key {rec.key}: its state would be {size} bytes, over "

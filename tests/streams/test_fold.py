@@ -217,6 +217,10 @@ def per_record(
                             f"applied (narrow the policy's window or widen its bucket)"
                         )
                         out.outcomes["too_large"] = out.outcomes.get("too_large", 0) + 1
+                        # Its position is handled: a redelivery of it changes nothing.
+                        kept = KeyState.from_bytes(out.table.get(rec.key))
+                        kept.offsets[rec.src_partition] = rec.src_offset
+                        out.table[rec.key] = kept.to_bytes()
                         continue
                     out.table[rec.key] = encoded
                 out.outcomes[outcome] = out.outcomes.get(outcome, 0) + 1
@@ -379,13 +383,13 @@ class TestRemoteKeys:
         ) == sorted(expected.usage_letters)
 
         # A redelivered keyed batch changes no state and no alert (an entry refused as too
-        # large, past every applied one, is tried again and refused again).
+        # large counts as handled: it is not tried again).
         before = dict(side_b.table)
         for batches in remote:
             messages = [KeyedMessage(0, i, b.to_bytes()) for i, b in enumerate(batches)]
             again = fold_keyed(messages, side_b.load, max_value_bytes=max_value_bytes)
             assert not again.alerts
-            assert set(again.counts.outcomes) <= {"redelivery", "too_large"}
+            assert set(again.counts.outcomes) <= {"redelivery"}
             assert not any(w.changed for w in again.writes)
         assert side_b.table == before
 
