@@ -21,7 +21,7 @@ from schemas.redis_keys import (
 )
 from schemas.shards import Topology
 from schemas.windows import WindowSpec
-from streams.ledger import Change, KeyState
+from streams.ledger import KeyState
 
 if TYPE_CHECKING:
     from streams.fold import KeyWrite
@@ -118,23 +118,9 @@ class RedisMaterializer:
         self._mark = client.register_script(MARK)
         self._set_window = client.register_script(SET_WINDOW)
 
-    async def write(self, key: str, state: KeyState, change: Change, spec: WindowSpec) -> None:
-        """Mirror ``change`` of ``key``; absorbing a pending reservation in the same step.
-
-        The window is stored as the compact codec value the admission script decodes,
-        with its version (:meth:`KeyState.version`) beside it.
-        """
-        if not (change.buckets_changed or change.absorbed):
-            return
-        value = (
-            window_codec.encode(state.buckets, spec.bucket_ms) if change.buckets_changed else None
-        )
-        absorbed = (change.absorbed,) if change.absorbed else ()
-        await self.absorb(key, value, spec, absorbed, version=state.version)
-
     async def write_batch(self, writes: Sequence[KeyWrite]) -> None:
         """Mirror one fold batch: every key's window (and absorbed reservations) in one
-        pipeline, each key's write atomic on its own (:data:`ABSORB` or a MULTI)."""
+        pipeline, each key's write atomic on its own (:data:`ABSORB` or :data:`SET_WINDOW`)."""
         if not writes:
             return
         async with self.client.pipeline(transaction=False) as pipe:
