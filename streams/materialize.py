@@ -29,21 +29,33 @@ if TYPE_CHECKING:
 # Write a key's window and move reservations it now holds out of the pending window, in
 # one atomic step: at no instant does a reservation count twice or not at all.
 #
+# The window is a compare-and-set on its version: a worker that lost the key's partition in
+# a rebalance (its last batch still in flight, or itself dropped from the group while
+# folding) must not overwrite what the partition's new owner wrote since. A version is the
+# key's applied records by position (KeyState.version), so the newer write has the higher
+# one; an equal version holds the same records.
+#
 # KEYS[1] the window (string, schemas.window_codec layout)
 # KEYS[2] the pending window (hash: a bucket's last ms -> amount pending there)
 # KEYS[3] the pending reservations (hash: reservation id -> "field:amount")
 # KEYS[4] the window's version
 # ARGV[1] the window's new value, or "" to leave it as it is
 # ARGV[2] the window's PX (ms)
-# ARGV[3] the window's version, or "" for none
+# ARGV[3] the window's version, or "" for none (no compare)
 # ARGV[4..] reservation ids whose reserve the window now holds (or never will: a late or
 #           settled reserve)
 # Returns the pending amount moved out.
 # A reservation with no record was never pending here, or its record went with its
-# bucket's age; either way nothing of it counts in the pending window any more.
+# bucket's age; either way nothing of it counts in the pending window any more. Absorbing
+# is idempotent, so a stale writer's ids are absorbed too (the newer window holds them).
 ABSORB = r"""
-if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
-if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[2]) end
+local newer = false
+if ARGV[3] ~= '' then
+  local have = tonumber(redis.call('GET', KEYS[4]) or '-1')
+  newer = have > tonumber(ARGV[3])
+  if not newer then redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[2]) end
+end
+if ARGV[1] ~= '' and not newer then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
 local moved = 0
 for i = 4, #ARGV do
   local record = redis.call('HGET', KEYS[3], ARGV[i])
@@ -62,14 +74,6 @@ for i = 4, #ARGV do
   end
 end
 return moved
-"""
-
-# Write one window and its version together (a key touched without absorbing).
-#
-# KEYS[1] the window   KEYS[2] its version   ARGV[1] the window   ARGV[2] PX   ARGV[3] version
-SET_WINDOW = r"""
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
 """
 
 # Heal one window that differs from the worker's table, unless a newer one was written.
@@ -116,35 +120,28 @@ class RedisMaterializer:
         self._absorb = client.register_script(ABSORB)
         self._heal = client.register_script(HEAL)
         self._mark = client.register_script(MARK)
-        self._set_window = client.register_script(SET_WINDOW)
 
     async def write_batch(self, writes: Sequence[KeyWrite]) -> None:
-        """Mirror one fold batch: every key's window (and absorbed reservations) in one
-        pipeline, each key's write atomic on its own (:data:`ABSORB` or :data:`SET_WINDOW`)."""
+        """Mirror one fold batch: every key's window and absorbed reservations in one
+        pipeline, each key's write one atomic :data:`ABSORB` (never over a newer window)."""
         if not writes:
             return
         async with self.client.pipeline(transaction=False) as pipe:
             for w in writes:
-                px = 2 * w.spec.window_ms
-                window = w.window()
-                wkey = window_key(self.prefix, w.key)
-                vkey = window_version_key(self.prefix, w.key)
-                if w.absorbed:
-                    await self._absorb(
-                        keys=[
-                            wkey,
-                            pending_window_key(self.prefix, w.key),
-                            pending_reservations_key(self.prefix, w.key),
-                            vkey,
-                        ],
-                        args=[window or b"", px, w.version, *w.absorbed],
-                        client=pipe,
-                    )
-                elif window is not None:
-                    await self._set_window(
-                        keys=[wkey, vkey], args=[window, px, w.version], client=pipe
-                    )
+                await self._absorb(
+                    keys=self._absorb_keys(w.key),
+                    args=[w.window() or b"", 2 * w.spec.window_ms, w.version, *w.absorbed],
+                    client=pipe,
+                )
             await pipe.execute()
+
+    def _absorb_keys(self, key: str) -> list[str]:
+        return [
+            window_key(self.prefix, key),
+            pending_window_key(self.prefix, key),
+            pending_reservations_key(self.prefix, key),
+            window_version_key(self.prefix, key),
+        ]
 
     async def heal(self, key: str, state: KeyState) -> bool:
         """Rewrite ``key``'s window from ``state`` if Redis differs and holds nothing newer.
@@ -175,35 +172,21 @@ class RedisMaterializer:
             spec: the policy's window (the stored value's expiry).
             reservation_ids: reservations whose reserve the window now accounts for (or
                 never will: late or already settled); their pending amounts leave.
-            version: the window's version, written beside it (None: not written).
+            version: the window's version, written beside it; the window is written
+                only if Redis holds no newer one (None: no version, no compare).
 
         Returns:
             The pending amount moved out.
         """
-        rids = list(reservation_ids)
         # Idle longer than this, every bucket has aged out of the window.
         px = 2 * spec.window_ms
-        if not rids:
-            if window is not None:
-                async with self.client.pipeline(transaction=True) as pipe:
-                    pipe.set(window_key(self.prefix, key), window, px=px)
-                    if version is not None:
-                        pipe.set(window_version_key(self.prefix, key), version, px=px)
-                    await pipe.execute()
-            return 0
-        keys = [
-            window_key(self.prefix, key),
-            pending_window_key(self.prefix, key),
-            pending_reservations_key(self.prefix, key),
-            window_version_key(self.prefix, key),
-        ]
         args: list[bytes | str | int] = [
             window or b"",
             px,
             "" if version is None else version,
-            *rids,
+            *reservation_ids,
         ]
-        return int(await self._absorb(keys=keys, args=args))
+        return int(await self._absorb(keys=self._absorb_keys(key), args=args))
 
     async def restore(self, key: str, state: KeyState) -> None:
         """Rewrite one key's window from its table state (after Redis lost its data).

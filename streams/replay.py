@@ -25,7 +25,7 @@ from schemas.prices import load_catalog
 from schemas.redis_keys import window_key
 from schemas.windows import WindowSpec
 from streams.dedupe import IdStore
-from streams.fold import FoldResult, Rules, UsageRecord, fold_usage
+from streams.fold import FoldResult, KeyWrite, Rules, UsageRecord, fold_usage
 from streams.kafka_util import assign, partitions, stop
 from streams.ledger import KeyState
 from streams.materialize import RedisMaterializer
@@ -33,6 +33,9 @@ from streams.policybook import read_policies
 from streams.settings import WorkerSettings
 
 Progress = Callable[[int, int], None]
+
+#: Keys written (or compared) per Redis round trip.
+RESTORE_BATCH = 1000
 
 
 @dataclass
@@ -62,6 +65,17 @@ class Rebuilt:
     def load(self, key: str) -> KeyState:
         """A key's state so far (the fold's ``load``)."""
         return self.states.get(key) or KeyState()
+
+    def write(self, key: str) -> KeyWrite:
+        """One key's rebuilt window for Redis, with every reservation it absorbed."""
+        return KeyWrite(
+            key,
+            self.states[key],
+            self.specs[key],
+            changed=True,
+            window_changed=True,
+            absorbed=dict.fromkeys(sorted(self.absorbed.get(key, ()))),
+        )
 
     def take(self, result: FoldResult, summary: ReplaySummary) -> None:
         """Keep one fold batch's effects."""
@@ -162,22 +176,17 @@ async def replay(
     client = aioredis.Redis.from_url(settings.redis_url)
     materializer = RedisMaterializer(client, settings.redis_prefix)
     try:
-        for key, state in sorted(rebuilt.states.items()):
-            spec = rebuilt.specs[key]
-            wkey = window_key(settings.redis_prefix, key)
-            if verify:
-                live = await client.get(wkey)
-                have = window_codec.decode(live).buckets if isinstance(live, bytes) else {}
-                if have != state.buckets:
-                    summary.differences.append(key)
+        keys = sorted(rebuilt.states)
+        for start in range(0, len(keys), RESTORE_BATCH):
+            chunk = keys[start : start + RESTORE_BATCH]
+            if not verify:
+                await materializer.write_batch([rebuilt.write(key) for key in chunk])
                 continue
-            await materializer.absorb(
-                key,
-                window_codec.encode(state.buckets, spec.bucket_ms),
-                spec,
-                sorted(rebuilt.absorbed.get(key, ())),
-                version=state.version,
-            )
+            lives = await client.mget([window_key(settings.redis_prefix, k) for k in chunk])
+            for key, live in zip(chunk, lives, strict=True):
+                have = window_codec.decode(live).buckets if isinstance(live, bytes) else {}
+                if have != rebuilt.states[key].buckets:
+                    summary.differences.append(key)
         if not verify:
             await materializer.write_policies(policies.values())
     finally:

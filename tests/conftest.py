@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -66,4 +67,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report: pytest.TestReport = yield
     if report.failed:
         report.sections.append(("spendgate seed", reproduce_hint()))
+        for log in getattr(item, "spendgate_logs", lambda: [])():
+            report.sections.append((f"tail of {log.name}", tail(log)))
     return report
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of a process log (where a failed test's worker says why)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"(unreadable: {e})"
+    return "\n".join(text.splitlines()[-lines:])

@@ -291,7 +291,11 @@ class TestIdSetRecovery:
                 expected
             )
 
-        await eventually(exact, timeout_s=180, what="exact sums")
+        try:
+            await eventually(exact, timeout_s=180, what="exact sums")
+        except AssertionError as failure:
+            seen = (sums(), window_sum(redis_sync, prefix, overall.id))
+            raise AssertionError(f"{failure}: saw {seen}, expected {expected}") from None
         await asyncio.sleep(3)
         assert exact(), (sums(), window_sum(redis_sync, prefix, overall.id))
 

@@ -12,8 +12,15 @@ import redis
 import redis.asyncio as aioredis
 
 from schemas import window_codec
-from schemas.redis_keys import pending_reservations_key, pending_window_key, window_key
+from schemas.redis_keys import (
+    pending_reservations_key,
+    pending_window_key,
+    window_key,
+    window_version_key,
+)
 from schemas.windows import WindowSpec
+from streams.fold import KeyWrite
+from streams.ledger import KeyState
 from streams.materialize import RedisMaterializer
 from streams.settings import WorkerSettings
 from tests.fixtures.admission import MakeAdmission
@@ -151,8 +158,6 @@ class TestHealScript:
     async def test_a_heal_never_overwrites_a_newer_window(
         self, redis_client: aioredis.Redis, key_prefix: str
     ) -> None:
-        from streams.ledger import KeyState
-
         client, prefix = redis_client, key_prefix
         materializer = RedisMaterializer(client, prefix)
         spec = WindowSpec(3_600_000, 60_000)
@@ -172,5 +177,40 @@ class TestHealScript:
             assert window_codec.decode(raw).buckets == {60_000: 7}
             await client.delete(window_key(prefix, "k"))
             assert await materializer.heal("k", newer)  # a deleted window comes back
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
+
+
+class TestStaleWriter:
+    async def test_a_batch_write_never_overwrites_a_newer_window(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        """A worker that lost the key's partition (its last batch still in flight) writes
+        after the new owner: its older window must not replace the newer one, while the
+        reservations it absorbed still leave the pending window."""
+        client, prefix = redis_client, key_prefix
+        materializer = RedisMaterializer(client, prefix)
+        spec = WindowSpec(3_600_000, 60_000)
+        key = "p|tenant=moved"
+
+        def write(buckets: dict[int, int], last_offset: int, *absorbed: str) -> KeyWrite:
+            state = KeyState(buckets=buckets, bucket_ms=60_000, window_ms=3_600_000)
+            state.offsets = {2: last_offset}
+            return KeyWrite(key, state, spec, True, True, dict.fromkeys(absorbed))
+
+        pr = pending_reservations_key(prefix, key)
+        pw = pending_window_key(prefix, key)
+        await client.hset(pw, mapping={"59999": 5})
+        await client.hset(pr, mapping={"r-1": "59999:5"})
+        try:
+            await materializer.write_batch([write({0: 12}, 11)])  # the new owner: version 12
+            await materializer.write_batch([write({0: 9}, 8, "r-1")])  # the old one: 9
+            stored = window_codec.decode(await client.get(window_key(prefix, key)))
+            assert stored.buckets == {0: 12}
+            assert await client.get(window_version_key(prefix, key)) == b"12"
+            assert not await client.exists(pw, pr), "the stale writer's absorb still counts"
+            await materializer.write_batch([write({0: 12, 60_000: 1}, 12)])  # newer: written
+            stored = window_codec.decode(await client.get(window_key(prefix, key)))
+            assert stored.buckets == {0: 12, 60_000: 1}
         finally:
             await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
