@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -40,6 +40,7 @@ from streams.marks import MarkKeeper, Progress
 from streams.materialize import RedisMaterializer
 from streams.policybook import PolicyBook
 from streams.settings import WorkerSettings
+from streams.statecache import StateCache
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +242,7 @@ def build_app(
         split_positions.forget()
         account_positions.forget()
         handled.clear()
+        states.forget()
         # Partitions may be new here: their windows are rewritten from the table (after
         # its recovery) and vouched for only once caught up, as after a loss of Redis.
         reassigned["flag"] = True
@@ -283,8 +285,8 @@ def build_app(
         rule: Rules = rules_cache["rules"]
         return rule
 
-    def load(key: str) -> KeyState:
-        return KeyState.from_bytes(table.get(key))
+    states = StateCache(settings.state_cache_items)
+    load = states.loader(lambda key: KeyState.from_bytes(table.get(key)))
 
     async def write_batch(
         result: FoldResult, events: list[Any], topic_names: dict[str, str]
@@ -298,6 +300,8 @@ def build_app(
                 for w in result.writes:
                     if w.changed:
                         table[w.key] = w.table_value()
+            # The same step as the table write (no await between): as new as the table.
+            states.put((w.key, w.state) for w in result.writes if w.changed)
         due = [w for w in result.writes if w.redis_due]
         keys = {w.key for w in due}
         writing.update(keys)
@@ -401,19 +405,27 @@ def build_app(
             account_positions.handled(partition, last.offset)
             done(first.topic, partition, last.offset, int(group[-1].message.timestamp * 1000))
 
+    async def folded(batch: Awaitable[None]) -> None:
+        """Run one batch's fold and writes; a failure leaves no half-folded cached state."""
+        try:
+            await batch
+        except BaseException:
+            states.forget()
+            raise
+
     @app.agent(usage, concurrency=1)
     async def split(stream: faust.StreamT[bytes]) -> None:
         if not book.ready.is_set():
             await book.ready.wait()
         async for events in batches(stream, settings.batch_size, settings.batch_linger_s):
-            await fold_usage_batch(events)
+            await folded(fold_usage_batch(events))
             for event in events:
                 await stream.ack(event)
 
     @app.agent(keyed, concurrency=1)
     async def account(stream: faust.StreamT[bytes]) -> None:
         async for events in batches(stream, settings.batch_size, settings.batch_linger_s):
-            await fold_keyed_batch(events)
+            await folded(fold_keyed_batch(events))
             for event in events:
                 await stream.ack(event)
 

@@ -151,6 +151,7 @@ class KeyWrite:
     changed: bool = False
     window_changed: bool = False
     absorbed: dict[str, None] = field(default_factory=dict)
+    _encoded: tuple[int, bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
     def redis_due(self) -> bool:
@@ -163,14 +164,22 @@ class KeyWrite:
         return self.state.version
 
     def table_value(self) -> bytes:
-        """The table value (``KeyState.to_bytes``)."""
-        return self.state.to_bytes()
+        """The table value (``KeyState.to_bytes``; its window encoded once with Redis's)."""
+        width = self.state.bucket_ms
+        return self.state.to_bytes(self._window_bytes(width) if width else None)
 
     def window(self) -> bytes | None:
         """The window for Redis, or ``None`` when no bucket changed over the batch."""
         if not self.window_changed:
             return None
-        return window_codec.encode(self.state.buckets, self.spec.bucket_ms)
+        return self._window_bytes(self.spec.bucket_ms)
+
+    def _window_bytes(self, bucket_ms: int) -> bytes:
+        # The table's width (the state's) and Redis's (the spec's) are the same once the
+        # key has applied a record: one encoding serves both.
+        if self._encoded is None or self._encoded[0] != bucket_ms:
+            self._encoded = (bucket_ms, window_codec.encode(self.state.buckets, bucket_ms))
+        return self._encoded[1]
 
 
 @dataclass(slots=True)

@@ -131,9 +131,15 @@ class KeyState:
         window written with a higher version is newer."""
         return sum(offset + 1 for offset in self.offsets.values())
 
-    def to_bytes(self) -> bytes:
-        """Serialize for the table (format version 2, see the module docstring)."""
-        body = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""
+    def to_bytes(self, window: bytes | None = None) -> bytes:
+        """Serialize for the table (format version 2, see the module docstring).
+
+        ``window``: the buckets already encoded (``window_codec.encode`` at this state's
+        bucket width), when the caller has them.
+        """
+        if window is None:
+            window = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""
+        body = window
         rest = {
             "res": {k: list(v) for k, v in self.reservations.items()},
             "hwm": self.high_ms,

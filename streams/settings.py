@@ -49,6 +49,9 @@ class WorkerSettings(BaseSettings):
     #: record at a low rate waits at most before its windows are written).
     batch_size: int = Field(1000, ge=1, le=100_000)
     batch_linger_s: float = Field(0.02, gt=0, le=5.0)
+    #: Key states kept decoded between batches (``streams.statecache``), bounded by their
+    #: buckets + reservations + offsets (about 100 bytes of memory each); 0 turns it off.
+    state_cache_items: int = Field(2_000_000, ge=0)
     #: How far in the future ``occurred_at`` may lie before it is clamped.
     max_future_skew_ms: int = Field(300_000, ge=0)
 
