@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -409,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             if profile is not None:
                 prof_lines = _profile.summarize(profile, top=15)
+                if profile.exists():
+                    kept = Path(tempfile.gettempdir()) / "spendgate-worker-profile.txt"
+                    shutil.copyfile(profile, kept)
+                    prof_lines.append(f"raw stacks (py-spy collapsed) kept at {kept}")
     finally:
         c.delete_redis_prefix(c.REDIS, f"{rid}:")
         c.delete_topics(c.KAFKA, rid)

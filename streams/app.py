@@ -1,6 +1,6 @@
 """The faust application: usage records folded in batches (``streams.fold``).
 
-Each agent takes records in batches (``noack_take``), folds each partition's records in
+Each agent takes records in batches (``streams.batching``), folds each partition's records in
 memory, writes one table value and one Redis write per touched key, sends what follows
 (keyed batches, dead letters, alerts) and waits for the broker's acks, and only then acks
 the records. Keys of one tenant are accounted in the usage record's own partition; keys
@@ -15,24 +15,32 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from collections.abc import Awaitable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import faust
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
-from faust.streams import Stream, _current_event
-from faust.types import EventT
+from faust.streams import _current_event
 
 from schemas.deadletter import dead_letter
 from schemas.policies import Policy
 from schemas.prices import load_catalog
 from schemas.shards import Topology, keyed_mark, usage_mark
 from streams import metrics
+from streams.batching import batches
 from streams.dedupe import IdStore, Position
-from streams.fold import FoldResult, KeyedMessage, Rules, UsageRecord, fold_keyed, fold_usage
+from streams.fold import (
+    FoldResult,
+    KeyedMessage,
+    Refusal,
+    Rules,
+    UsageRecord,
+    fold_keyed,
+    fold_usage,
+)
 from streams.gaps import Positions, committed_offset, missing_range, read_range
 from streams.id_rebuild import rebuild_ids
 from streams.ledger import KeyState
@@ -67,6 +75,8 @@ def build_app(
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
+        producer_linger=0.01,
+        producer_max_batch_size=256 * 1024,
         broker_session_timeout=settings.session_timeout_s,
         broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 3),
     )
@@ -288,53 +298,54 @@ def build_app(
     states = StateCache(settings.state_cache_items)
     load = states.loader(lambda key: KeyState.from_bytes(table.get(key)))
 
-    async def write_batch(
-        result: FoldResult, events: list[Any], topic_names: dict[str, str]
-    ) -> None:
-        """Write one fold's effects, then send what follows from them; ``events`` are the
-        faust events of the fold's partition (table writes go to that partition)."""
-        if events:
-            # The table value of every key folded here belongs to this partition's
-            # changelog: faust writes to the partition of the current event.
-            with current_event_of(events[-1]):
-                for w in result.writes:
-                    if w.changed:
-                        table[w.key] = w.table_value()
-            # The same step as the table write (no await between): as new as the table.
-            states.put((w.key, w.state) for w in result.writes if w.changed)
-        due = [w for w in result.writes if w.redis_due]
+    def keep(result: FoldResult, events: list[Any]) -> None:
+        """Write one partition's fold to the table; ``events`` are the faust events of
+        that partition (table writes go to its changelog partition)."""
+        # The table value of every key folded here belongs to this partition's changelog:
+        # faust writes to the partition of the current event.
+        with current_event_of(events[-1]):
+            for w in result.writes:
+                if w.changed:
+                    table[w.key] = w.table_value()
+        # The same step as the table write (no await between): as new as the table.
+        states.put((w.key, w.state) for w in result.writes if w.changed)
+
+    async def publish(results: list[FoldResult]) -> None:
+        """Write a batch's windows to Redis (one pipeline), then send what follows from
+        them, and wait for the broker's acks."""
+        due = [w for result in results for w in result.writes if w.redis_due]
         keys = {w.key for w in due}
         writing.update(keys)
         try:
             await materializer.write_batch(due)
         finally:
             writing.difference_update(keys)
-        sent = [
-            *[await keyed.send(key=b.key, value=b.to_bytes()) for b in result.remote],
-            *[
-                await dlq.send(
-                    value=dead_letter(
-                        r.reason,
-                        r.raw,
-                        topic=topic_names[r.topic],
-                        partition=r.partition,
-                        offset=r.offset,
-                        at=datetime.now(UTC),
-                    )
-                    .model_dump_json()
-                    .encode()
-                )
-                for r in result.refusals
-            ],
+        sent = []
+        for result in results:
+            sent += [await keyed.send(key=b.key, value=b.to_bytes()) for b in result.remote]
+            sent += [await dlq.send(value=dead_letter_bytes(r)) for r in result.refusals]
             # Alerts leave only after the state change is in the table and in Redis.
-            *[
+            sent += [
                 await alerts_topic.send(key=a.key, value=a.model_dump_json().encode())
                 for a in result.alerts
-            ],
-        ]
+            ]
         # Acked by the broker before the batch's records are: nothing is lost in a crash.
         await asyncio.gather(*sent)
-        count(result)
+        for result in results:
+            count(result)
+
+    names = {"usage": settings.topic("usage"), "keyed": settings.keyed_topic}
+
+    def dead_letter_bytes(r: Refusal) -> bytes:
+        letter = dead_letter(
+            r.reason,
+            r.raw,
+            topic=names[r.topic],
+            partition=r.partition,
+            offset=r.offset,
+            at=datetime.now(UTC),
+        )
+        return letter.model_dump_json().encode()
 
     def count(result: FoldResult) -> None:
         c = result.counts
@@ -351,11 +362,11 @@ def build_app(
         for a in result.alerts:
             metrics.ALERTS.labels(kind=a.kind).inc()
 
-    names = {"usage": settings.topic("usage"), "keyed": settings.keyed_topic}
-
     async def fold_usage_batch(events: list[Any]) -> None:
         """Fold one batch of usage records, partition by partition, and write it."""
         track_policies()
+        results: list[FoldResult] = []
+        lasts: list[UsageRecord] = []
         for partition, group in by_partition(events).items():
             first = group[0].message
             back = await skipped(split_positions, first.topic, partition, first.offset)
@@ -383,27 +394,36 @@ def build_app(
                 max_value_bytes=settings.max_value_bytes,
                 ids=ids,
             )
-            await write_batch(result, group, names)
-            last = records[-1]
-            split_positions.handled(partition, last.offset)
-            done(first.topic, partition, last.offset, last.broker_ms)
-            metrics.OFFSET.labels(topic=first.topic, partition=str(partition)).set(last.offset)
+            keep(result, group)
+            results.append(result)
+            lasts.append(records[-1])
             now = time.time()
             for r in records:
                 metrics.LAG.observe(max(0.0, now - r.broker_ms / 1000))
+        await publish(results)
+        topic = names["usage"]
+        for last in lasts:
+            split_positions.handled(last.partition, last.offset)
+            done(topic, last.partition, last.offset, last.broker_ms)
+            metrics.OFFSET.labels(topic=topic, partition=str(last.partition)).set(last.offset)
 
     async def fold_keyed_batch(events: list[Any]) -> None:
         """Fold one batch of keyed messages (keys spanning tenants), partition by partition."""
+        results: list[FoldResult] = []
+        lasts: list[tuple[int, int, int]] = []
         for partition, group in by_partition(events).items():
             first = group[0].message
             back = await skipped(account_positions, first.topic, partition, first.offset)
             messages = [KeyedMessage(b.partition, b.offset, b.value or b"") for b in back]
             messages += [KeyedMessage(partition, e.message.offset, e.value) for e in group]
             result = fold_keyed(messages, load, max_value_bytes=settings.max_value_bytes)
-            await write_batch(result, group, names)
-            last = messages[-1]
-            account_positions.handled(partition, last.offset)
-            done(first.topic, partition, last.offset, int(group[-1].message.timestamp * 1000))
+            keep(result, group)
+            results.append(result)
+            lasts.append((partition, messages[-1].offset, int(group[-1].message.timestamp * 1000)))
+        await publish(results)
+        for partition, offset, broker_ms in lasts:
+            account_positions.handled(partition, offset)
+            done(names["keyed"], partition, offset, broker_ms)
 
     async def folded(batch: Awaitable[None]) -> None:
         """Run one batch's fold and writes; a failure leaves no half-folded cached state."""
@@ -430,18 +450,6 @@ def build_app(
                 await stream.ack(event)
 
     return app
-
-
-async def batches(
-    stream: faust.StreamT[Any], size: int, linger_s: float
-) -> AsyncIterator[list[EventT[Any]]]:
-    """Batches of up to ``size`` events (fewer after ``linger_s``), acked by the caller.
-
-    faust's ``noack_take`` yields the events themselves, although it is annotated as
-    yielding values.
-    """
-    async for events in cast(Stream[Any], stream).noack_take(size, linger_s):
-        yield cast(list[EventT[Any]], list(events))
 
 
 def by_partition(events: list[Any]) -> dict[int, list[Any]]:

@@ -26,55 +26,62 @@ from streams.ledger import KeyState
 if TYPE_CHECKING:
     from streams.fold import KeyWrite
 
-# Write a key's window and move reservations it now holds out of the pending window, in
-# one atomic step: at no instant does a reservation count twice or not at all.
+# Write windows and move the reservations they now hold out of their pending windows; each
+# key in one atomic step: at no instant does a reservation count twice or not at all.
 #
-# The window is a compare-and-set on its version: a worker that lost the key's partition in
-# a rebalance (its last batch still in flight, or itself dropped from the group while
+# Each window is a compare-and-set on its version: a worker that lost the key's partition
+# in a rebalance (its last batch still in flight, or itself dropped from the group while
 # folding) must not overwrite what the partition's new owner wrote since. A version is the
 # key's applied records by position (KeyState.version), so the newer write has the higher
 # one; an equal version holds the same records.
 #
-# KEYS[1] the window (string, schemas.window_codec layout)
-# KEYS[2] the pending window (hash: a bucket's last ms -> amount pending there)
-# KEYS[3] the pending reservations (hash: reservation id -> "field:amount")
-# KEYS[4] the window's version
-# ARGV[1] the window's new value, or "" to leave it as it is
-# ARGV[2] the window's PX (ms)
-# ARGV[3] the window's version, or "" for none (no compare)
-# ARGV[4..] reservation ids whose reserve the window now holds (or never will: a late or
-#           settled reserve)
+# Per key, 4 KEYS and 4 + n ARGV:
+# KEYS  the window (string, schemas.window_codec layout); the pending window (hash: a
+#       bucket's last ms -> amount pending there); the pending reservations (hash:
+#       reservation id -> "field:amount"); the window's version
+# ARGV  the window's new value, or "" to leave it as it is; its PX (ms); its version, or ""
+#       for none (no compare); n; then n reservation ids whose reserve the window now
+#       holds (or never will: a late or settled reserve)
 # Returns the pending amount moved out.
 # A reservation with no record was never pending here, or its record went with its
 # bucket's age; either way nothing of it counts in the pending window any more. Absorbing
 # is idempotent, so a stale writer's ids are absorbed too (the newer window holds them).
 ABSORB = r"""
-local newer = false
-if ARGV[3] ~= '' then
-  local have = tonumber(redis.call('GET', KEYS[4]) or '-1')
-  newer = have > tonumber(ARGV[3])
-  if not newer then redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[2]) end
-end
-if ARGV[1] ~= '' and not newer then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
 local moved = 0
-for i = 4, #ARGV do
-  local record = redis.call('HGET', KEYS[3], ARGV[i])
-  if record then
-    redis.call('HDEL', KEYS[3], ARGV[i])
-    local field, amount = string.match(record, '^(%d+):(%d+)$')
-    amount = tonumber(amount)
-    local held = tonumber(redis.call('HGET', KEYS[2], field) or '0')
-    if held > amount then
-      redis.call('HINCRBY', KEYS[2], field, string.format('%d', -amount))
-    else
-      -- Pruned (its bucket left the window) or exactly this amount: nothing stays.
-      redis.call('HDEL', KEYS[2], field)
-    end
-    moved = moved + math.min(held, amount)
+local a = 1
+for k = 1, #KEYS, 4 do
+  local window, px, version, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  local newer = false
+  if version ~= '' then
+    local have = tonumber(redis.call('GET', KEYS[k + 3]) or '-1')
+    newer = have > tonumber(version)
+    if not newer then redis.call('SET', KEYS[k + 3], version, 'PX', px) end
   end
+  if window ~= '' and not newer then redis.call('SET', KEYS[k], window, 'PX', px) end
+  for i = a + 4, a + 3 + n do
+    local record = redis.call('HGET', KEYS[k + 2], ARGV[i])
+    if record then
+      redis.call('HDEL', KEYS[k + 2], ARGV[i])
+      local field, amount = string.match(record, '^(%d+):(%d+)$')
+      amount = tonumber(amount)
+      local held = tonumber(redis.call('HGET', KEYS[k + 1], field) or '0')
+      if held > amount then
+        redis.call('HINCRBY', KEYS[k + 1], field, string.format('%d', -amount))
+      else
+        -- Pruned (its bucket left the window) or exactly this amount: nothing stays.
+        redis.call('HDEL', KEYS[k + 1], field)
+      end
+      moved = moved + math.min(held, amount)
+    end
+  end
+  a = a + 4 + n
 end
 return moved
 """
+
+#: Keys per ABSORB call: one call blocks Redis (and every admission) while it runs, so a
+#: large batch is several calls in one pipeline.
+ABSORB_KEYS_PER_CALL = 64
 
 # Heal one window that differs from the worker's table, unless a newer one was written.
 #
@@ -123,16 +130,18 @@ class RedisMaterializer:
 
     async def write_batch(self, writes: Sequence[KeyWrite]) -> None:
         """Mirror one fold batch: every key's window and absorbed reservations in one
-        pipeline, each key's write one atomic :data:`ABSORB` (never over a newer window)."""
+        pipeline of :data:`ABSORB` calls, each key atomic, never over a newer window."""
         if not writes:
             return
         async with self.client.pipeline(transaction=False) as pipe:
-            for w in writes:
-                await self._absorb(
-                    keys=self._absorb_keys(w.key),
-                    args=[w.window() or b"", 2 * w.spec.window_ms, w.version, *w.absorbed],
-                    client=pipe,
-                )
+            for first in range(0, len(writes), ABSORB_KEYS_PER_CALL):
+                keys: list[str] = []
+                args: list[bytes | str | int] = []
+                for w in writes[first : first + ABSORB_KEYS_PER_CALL]:
+                    keys += self._absorb_keys(w.key)
+                    args += [w.window() or b"", 2 * w.spec.window_ms, w.version, len(w.absorbed)]
+                    args += w.absorbed
+                await self._absorb(keys=keys, args=args, client=pipe)
             await pipe.execute()
 
     def _absorb_keys(self, key: str) -> list[str]:
@@ -180,11 +189,13 @@ class RedisMaterializer:
         """
         # Idle longer than this, every bucket has aged out of the window.
         px = 2 * spec.window_ms
+        rids = list(reservation_ids)
         args: list[bytes | str | int] = [
             window or b"",
             px,
             "" if version is None else version,
-            *reservation_ids,
+            len(rids),
+            *rids,
         ]
         return int(await self._absorb(keys=self._absorb_keys(key), args=args))
 

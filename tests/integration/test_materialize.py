@@ -214,3 +214,33 @@ class TestStaleWriter:
             assert stored.buckets == {0: 12, 60_000: 1}
         finally:
             await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
+
+    async def test_a_large_batch_writes_every_key_and_absorbs_each_own_ids(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        """More keys than one script call takes, each with its own number of absorbed
+        reservations: every window lands, every absorbed id leaves its own key only."""
+        client, prefix = redis_client, key_prefix
+        materializer = RedisMaterializer(client, prefix)
+        spec = WindowSpec(3_600_000, 60_000)
+        writes = []
+        for i in range(150):
+            key = f"p|tenant=t{i}"
+            rids = [f"r{i}-{j}" for j in range(i % 4)]
+            pr, pw = pending_reservations_key(prefix, key), pending_window_key(prefix, key)
+            await client.hset(pw, mapping={"59999": 10 * len(rids) + 7})
+            await client.hset(pr, mapping={"kept": "59999:7", **{r: "59999:10" for r in rids}})
+            state = KeyState(buckets={0: i + 1}, bucket_ms=60_000, window_ms=3_600_000)
+            state.offsets = {0: i}
+            writes.append(KeyWrite(key, state, spec, True, True, dict.fromkeys(rids)))
+        try:
+            await materializer.write_batch(writes)
+            for i, w in enumerate(writes):
+                stored = window_codec.decode(await client.get(window_key(prefix, w.key)))
+                assert stored.buckets == {0: i + 1}
+                pending = await client.hgetall(pending_reservations_key(prefix, w.key))
+                assert pending == {b"kept": b"59999:7"}
+                held = await client.hgetall(pending_window_key(prefix, w.key))
+                assert held == {b"59999": b"7"}
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
