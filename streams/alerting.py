@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime
 
 from schemas import windows
@@ -32,7 +33,6 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
     """
     at_ms = state.high_ms
     used = windows.total(rec.spec, state.buckets, at_ms)
-    at = datetime.fromtimestamp(at_ms / 1000, UTC)
     alerts: list[Alert] = []
 
     def emit(kind: AlertKind, threshold: float | None, seq: int, ref: str | None = None) -> None:
@@ -45,20 +45,31 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
                 threshold=threshold,
                 used=used,
                 limit=rec.limit,
-                at=at,
+                at=datetime.fromtimestamp(at_ms / 1000, UTC),
                 reservation_id=ref,
             )
         )
 
     for threshold in rec.thresholds:
-        seq = _line(state, f"t{threshold!r}", used * 1.0 >= threshold * rec.limit)
+        seq = _line(state, _line_name(threshold), used * 1.0 >= threshold * rec.limit)
         if seq is not None:
             emit("threshold", threshold, seq)
     seq = _line(state, "exhausted", used >= rec.limit)
     if seq is not None:
         emit("exhausted", None, seq)
-    for rid, (_, _, expires_ms) in sorted(state.reservations.items()):
-        if expires_ms <= at_ms and rid not in state.expired:
+    if state.reservations:
+        due = [
+            rid
+            for rid, (_, _, expires_ms) in state.reservations.items()
+            if expires_ms <= at_ms and rid not in state.expired
+        ]
+        for rid in sorted(due):
             state.expired.add(rid)
             emit("reservation_expired", None, 0, rid)
     return alerts
+
+
+@functools.lru_cache(maxsize=1024)
+def _line_name(threshold: float) -> str:
+    """The bookkeeping name of one threshold's alert line (as stored in the table)."""
+    return f"t{threshold!r}"

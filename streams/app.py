@@ -230,13 +230,16 @@ def build_app(
         if recovery is not None and recovery.in_recovery:
             return
         now_ms = int(time.time() * 1000)
+        due: list[tuple[str, KeyState]] = []
         for key in drift.next_keys(table, settings.drift_keys_per_s):
             if key in writing:
                 continue
             state = KeyState.from_bytes(table.get(key))
             if not state.bucket_ms or not windows_live(state, now_ms):
                 continue  # nothing left in the window: Redis may have let it expire
-            if await materializer.heal(key, state):
+            due.append((key, state))
+        for (key, _), healed in zip(due, await materializer.heal_many(due), strict=True):
+            if healed:
                 metrics.DRIFT_KEYS.inc()
                 logger.warning("budget window %s differed in Redis from the table: healed", key)
 

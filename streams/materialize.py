@@ -158,12 +158,25 @@ class RedisMaterializer:
         Returns:
             Whether the window was rewritten (drift found and healed).
         """
-        if not (state.bucket_ms and state.window_ms):
-            return False
-        keys = [window_key(self.prefix, key), window_version_key(self.prefix, key)]
-        value = window_codec.encode(state.buckets, state.bucket_ms)
-        args: list[bytes | int] = [value, 2 * state.window_ms, state.version]
-        return bool(await self._heal(keys=keys, args=args))
+        return (await self.heal_many([(key, state)]))[0]
+
+    async def heal_many(self, states: Sequence[tuple[str, KeyState]]) -> list[bool]:
+        """:meth:`heal` for each ``(key, state)``, in one pipeline; whether each was healed."""
+        healed = [False] * len(states)
+        due = [i for i, (_, state) in enumerate(states) if state.bucket_ms and state.window_ms]
+        if not due:
+            return healed
+        async with self.client.pipeline(transaction=False) as pipe:
+            for i in due:
+                key, state = states[i]
+                keys = [window_key(self.prefix, key), window_version_key(self.prefix, key)]
+                value = window_codec.encode(state.buckets, state.bucket_ms)
+                args: list[bytes | int] = [value, 2 * state.window_ms, state.version]
+                await self._heal(keys=keys, args=args, client=pipe)
+            replies = await pipe.execute()
+        for i, reply in zip(due, replies, strict=True):
+            healed[i] = bool(reply)
+        return healed
 
     async def absorb(
         self,

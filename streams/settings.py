@@ -45,10 +45,12 @@ class WorkerSettings(BaseSettings):
     #: 1,000,000 bytes).
     max_value_bytes: int = Field(900_000, ge=1_024, le=1_000_000)
     #: Records folded together at most (one table value and one Redis write per key per
-    #: batch), and how long a batch waits for more before it is folded anyway (what a
-    #: record at a low rate waits at most before its windows are written).
+    #: batch), and how long a batch's first record waits for more before the batch is
+    #: folded anyway (what a record waits at most before its windows are written). Every
+    #: batch costs a fixed amount besides its records, so a longer linger folds more
+    #: events per second and a shorter one writes sooner (both measured in bench/RESULTS.md).
     batch_size: int = Field(1000, ge=1, le=100_000)
-    batch_linger_s: float = Field(0.02, gt=0, le=5.0)
+    batch_linger_s: float = Field(0.1, gt=0, le=5.0)
     #: Key states kept decoded between batches (``streams.statecache``), bounded by their
     #: buckets + reservations + offsets (about 100 bytes of memory each); 0 turns it off.
     state_cache_items: int = Field(2_000_000, ge=0)
