@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from admission import resp
 from admission.backpressure import Backpressure
 from admission.decide import (
     AdmitResult,
@@ -284,7 +285,10 @@ class BudgetStore:
             marks=tuple(marks),
         )
         args = header.argv() + args
-        raw = await self._call("admit", lambda: self._admit(keys=keys, args=args))
+        admit = self._admit
+        raw = await self._call(
+            "admit", lambda: resp.evalsha(self.client, admit.sha, ADMIT, keys, args)
+        )
         return _result(raw)
 
     def _deps(self, marks: dict[str, int], terms: PolicyTerms, key: str, subject: Subject) -> str:
