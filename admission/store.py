@@ -118,7 +118,7 @@ class BudgetStore:
         self.backpressure = backpressure or Backpressure(
             slots=32, queue=1024, wait_s=1.0, timeout_s=0.25
         )
-        self._admit = client.register_script(ADMIT)
+        self._admit_sha = client.register_script(ADMIT).sha
         self._settle = client.register_script(SETTLE)
         self._policies: list[Policy] | None = None
         self._version: bytes | str | None = None
@@ -285,9 +285,8 @@ class BudgetStore:
             marks=tuple(marks),
         )
         args = header.argv() + args
-        admit = self._admit
         raw = await self._call(
-            "admit", lambda: resp.evalsha(self.client, admit.sha, ADMIT, keys, args)
+            "admit", lambda: resp.evalsha(self.client, self._admit_sha, ADMIT, keys, args)
         )
         return _result(raw)
 

@@ -137,9 +137,9 @@ class KeyState:
         ``window``: the buckets already encoded (``window_codec.encode`` at this state's
         bucket width), when the caller has them.
         """
-        if window is None:
-            window = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""
         body = window
+        if body is None:
+            body = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""
         rest = {
             "res": {k: list(v) for k, v in self.reservations.items()},
             "hwm": self.high_ms,

@@ -139,8 +139,7 @@ class RedisMaterializer:
                 args: list[bytes | str | int] = []
                 for w in writes[first : first + ABSORB_KEYS_PER_CALL]:
                     keys += self._absorb_keys(w.key)
-                    args += [w.window() or b"", 2 * w.spec.window_ms, w.version, len(w.absorbed)]
-                    args += w.absorbed
+                    args += _absorb_args(w.window(), w.spec, w.version, list(w.absorbed))
                 await self._absorb(keys=keys, args=args, client=pipe)
             await pipe.execute()
 
@@ -200,16 +199,7 @@ class RedisMaterializer:
         Returns:
             The pending amount moved out.
         """
-        # Idle longer than this, every bucket has aged out of the window.
-        px = 2 * spec.window_ms
-        rids = list(reservation_ids)
-        args: list[bytes | str | int] = [
-            window or b"",
-            px,
-            "" if version is None else version,
-            len(rids),
-            *rids,
-        ]
+        args = _absorb_args(window, spec, version, list(reservation_ids))
         return int(await self._absorb(keys=self._absorb_keys(key), args=args))
 
     async def restore(self, key: str, state: KeyState) -> None:
@@ -263,3 +253,12 @@ class RedisMaterializer:
         if not wanted:
             return True
         return all(v is not None for v in await self.client.hmget(marks_key(self.prefix), wanted))
+
+
+def _absorb_args(
+    window: bytes | None, spec: WindowSpec, version: int | None, rids: list[str]
+) -> list[bytes | str | int]:
+    """One key's :data:`ABSORB` ARGV entries."""
+    # Idle longer than this, every bucket has aged out of the window: its PX.
+    px = 2 * spec.window_ms
+    return [window or b"", px, "" if version is None else version, len(rids), *rids]
