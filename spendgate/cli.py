@@ -12,28 +12,36 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from schemas.exceptions import SpendgateError
 
+# Help and usage errors go through click's plain formatter (rich_markup_mode=None): it shows
+# boolean options as flags (``--verify / --no-verify``), where typer's rich panels print
+# ``<bool>`` beside every flag, and it prints messages verbatim (no markup to eat ``[...]``).
+_PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
 app = typer.Typer(
     help="Rolling-window spend budgets for LLM inference.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    **_PLAIN,  # type: ignore[arg-type]
 )
-dev = typer.Typer(
-    help="Run a local Kafka broker and Redis server (no Docker).", no_args_is_help=True
-)
-policy = typer.Typer(help="Apply, list and delete budget policies.", no_args_is_help=True)
-schema = typer.Typer(
-    help="The JSON Schemas of events, policies and API bodies.", no_args_is_help=True
-)
+dev = typer.Typer(help="Run a local Kafka broker and Redis server (no Docker).", **_PLAIN)  # type: ignore[arg-type]
+policy = typer.Typer(help="Apply, list and delete budget policies.", **_PLAIN)  # type: ignore[arg-type]
+schema = typer.Typer(help="The JSON Schemas of events, policies and API bodies.", **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(dev, name="dev")
 app.add_typer(policy, name="policy")
-alerts = typer.Typer(help="Read budget alerts.", no_args_is_help=True)
+alerts = typer.Typer(help="Read budget alerts.", **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(schema, name="schema")
 app.add_typer(alerts, name="alerts")
 console = Console(stderr=True)
+
+
+def say(label: str, style: str, text: str, *, out: Console | None = None) -> None:
+    """Print ``label`` in ``style`` then ``text`` verbatim: never parsed as markup, never cut."""
+    (out or console).print(
+        Text.assemble((label, style), " ", text), soft_wrap=True, highlight=False
+    )
 
 
 def _configure_logging(json_logs: bool, level: str = "INFO") -> None:
@@ -135,7 +143,7 @@ def policy_apply(
     from streams.settings import WorkerSettings
 
     for applied in apply_file(WorkerSettings(), file):
-        console.print(f"[green]applied[/] {applied}")
+        say("applied", "green", applied)
 
 
 @policy.command("list")
@@ -146,16 +154,9 @@ def policy_list() -> None:
 
     table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
     for p in list_policies(WorkerSettings()):
-        table.add_row(
-            p.id,
-            p.unit,
-            str(p.limit),
-            p.window,
-            p.bucket,
-            str(p.match),
-            ",".join(p.group_by),
-            p.mode,
-        )
+        # Text cells: a match like {model: [a, b]} is data, not markup.
+        cells = (p.id, p.unit, str(p.limit), p.window, p.bucket, str(p.match))
+        table.add_row(*(Text(c) for c in (*cells, ",".join(p.group_by), p.mode)))
     Console().print(table)
 
 
@@ -166,7 +167,7 @@ def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id."
     from streams.settings import WorkerSettings
 
     delete_policy(WorkerSettings(), policy_id)
-    console.print(f"deleted {policy_id}")
+    say("deleted", "", policy_id)
 
 
 @app.command("replay")
@@ -176,10 +177,14 @@ def replay(
         typer.Option("--from", help="Start at this time (ISO 8601) instead of the beginning."),
     ] = None,
     verify: Annotated[
-        bool, typer.Option("--verify", help="Compare with Redis; exit 1 on any difference.")
+        bool,
+        typer.Option("--verify/--no-verify", help="Compare with Redis; exit 1 on any difference."),
     ] = False,
     emit_alerts: Annotated[
-        bool, typer.Option("--emit-alerts", help="Publish the rebuilt alerts (same ids).")
+        bool,
+        typer.Option(
+            "--emit-alerts/--no-emit-alerts", help="Publish the rebuilt alerts (same ids)."
+        ),
     ] = False,
 ) -> None:
     """Rebuild every budget window from the usage topic and restore it into Redis.
@@ -219,7 +224,7 @@ def replay(
     if verify:
         if summary.differences:
             for key in summary.differences[:20]:
-                console.print(f"[red]differs[/] {key}")
+                say("differs", "red", key)
             console.print(f"[red]{len(summary.differences)} budget keys differ[/]")
             raise typer.Exit(1)
         console.print("[green]verified:[/] Redis equals the rebuilt windows")
@@ -249,7 +254,7 @@ def alerts_tail(
             from_beginning=from_beginning,
             follow=follow,
         ):
-            Console().print(describe(alert), soft_wrap=True, highlight=False)
+            Console().print(describe(alert), soft_wrap=True, highlight=False, markup=False)
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
@@ -287,9 +292,9 @@ def main() -> None:
     try:
         app()
     except SpendgateError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        say("error:", "red", str(exc))
         sys.exit(2)
     except TimeoutError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        say("error:", "red", str(exc))
         sys.exit(3)
     logging.shutdown()

@@ -104,17 +104,20 @@ def _table(tally: Tally, elapsed_s: float) -> Table:
         f"refused {tally.refused}  committed {tally.committed}  "
         f"cancelled {tally.cancelled}  late reports {tally.late_reports}"
     )
-    for col in ("budget key", "unit", "used+reserved / limit", "window", "last Retry-After"):
-        table.add_column(col)
+    # The key column folds (wraps mid-word) rather than cutting: a key has no spaces, and
+    # which tenant is near its limit is the point of the table. Cells are Text, never markup.
+    table.add_column("budget key", overflow="fold", ratio=3)
+    for col in ("unit", "used+reserved / limit", "window", "last Retry-After"):
+        table.add_column(col, overflow="fold")
     for key, view in sorted(tally.keys.items()):
         share = min(1.0, (view.used + view.reserved) / max(view.limit, 1))
         bar = "#" * int(share * 20) + "." * (20 - int(share * 20))
         table.add_row(
-            key,
-            view.unit,
-            f"[{bar}] {view.used + view.reserved}/{view.limit}",
+            Text(key),
+            Text(view.unit),
+            Text(f"[{bar}] {view.used + view.reserved}/{view.limit}"),
             f"{view.window_s}s" if view.window_s else "-",
-            tally.last_retry.get(key, "-"),
+            Text(tally.last_retry.get(key, "-")),
         )
     return table
 

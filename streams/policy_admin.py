@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 from aiokafka import AIOKafkaProducer
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from schemas.exceptions import PolicyError
 from schemas.policies import Policy, validate_against_catalog
@@ -16,8 +16,6 @@ from schemas.prices import PriceCatalog, load_catalog
 from streams.policybook import read_policies
 from streams.settings import WorkerSettings
 from streams.topics import ensure_topics
-
-_policies = TypeAdapter(list[Policy])
 
 
 def load_policies(path: Path) -> list[Policy]:
@@ -36,16 +34,32 @@ def load_policies(path: Path) -> list[Policy]:
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise PolicyError(f"{path}: not valid YAML/JSON: {exc}") from exc
     items = raw if isinstance(raw, list) else [raw]
-    try:
-        policies = _policies.validate_python(items)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise PolicyError(f"{path}: policy field {where}: {first['msg']}") from exc
+    policies: list[Policy] = []
+    problems: list[str] = []
+    for n, item in enumerate(items):
+        try:
+            policies.append(Policy.model_validate(item))
+        except ValidationError as exc:
+            problems.extend(_describe(n, item, exc))
     ids = [p.id for p in policies]
     if len(set(ids)) != len(ids):
-        raise PolicyError(f"{path}: policy ids must be unique within the file")
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        problems.append(f"policy ids must be unique within the file (repeated: {', '.join(dup)})")
+    if problems:
+        raise PolicyError(f"{path}: {len(problems)} invalid:\n" + "\n".join(problems))
     return policies
+
+
+def _describe(n: int, item: object, exc: ValidationError) -> list[str]:
+    """One line per invalid field of policy number ``n`` (0-based), named and unmangled."""
+    pid = item.get("id") if isinstance(item, dict) else None
+    who = f"policy {n}" + (f" (id {pid!r})" if isinstance(pid, str) else "")
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(policy)"
+        got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
+        lines.append(f"{who} field {where}: {err['msg']}{got}")
+    return lines
 
 
 async def publish_policies(settings: WorkerSettings, policies: list[Policy]) -> None:
@@ -69,8 +83,14 @@ def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
     policies = load_policies(path)
     # Without a catalog nothing is priced: a downgrade target or a default rate is refused.
     catalog = load_catalog(settings.prices_file) if settings.prices_file else PriceCatalog()
+    problems = []
     for p in policies:
-        validate_against_catalog(p, catalog)
+        try:
+            validate_against_catalog(p, catalog)
+        except PolicyError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise PolicyError(f"{path}: {len(problems)} invalid:\n" + "\n".join(problems))
     asyncio.run(publish_policies(settings, policies))
     return [p.id for p in policies]
 

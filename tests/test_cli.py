@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from spendgate.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = [
     [],
@@ -40,3 +47,112 @@ class TestExports:
         assert module.__all__ == sorted(module.__all__)
         for name in module.__all__:
             assert hasattr(module, name), name
+
+
+def _run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """The console script's entry point in a child process (its own exit code and stderr)."""
+    env = {**os.environ, "COLUMNS": "80", "SPENDGATE_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    return subprocess.run(
+        [sys.executable, "-c", "from spendgate.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=env,
+    )
+
+
+BAD_POLICIES = """\
+- id: Bad Id
+  match: {}
+  group_by: [tenant]
+  unit: tokens_x
+  limit: -5
+  window: 1q
+  bucket: 5s
+- id: second-one
+  match: {}
+  group_by: [tenant]
+  unit: requests
+  limit: 0
+  window: 1m
+  bucket: 5s
+"""
+
+
+class TestErrors:
+    def test_policy_apply_reports_every_invalid_field_of_every_policy_verbatim(
+        self, tmp_path: Path
+    ) -> None:
+        file = tmp_path / "bad.yaml"
+        file.write_text(BAD_POLICIES)
+        result = _run_cli("policy", "apply", str(file), tmp_path=tmp_path)
+        assert result.returncode == 2, result.stderr
+        err = result.stderr
+        # The pattern arrives whole: the console did not eat [a-z0-9._-] as markup.
+        assert "'^[a-z0-9._-]{1,64}$'" in err
+        assert "'Bad Id'" in err
+        for field in ("field id:", "field unit:", "field limit:", "field window:"):
+            assert f"policy 0 (id 'Bad Id') {field}" in err, err
+        assert "policy 1 (id 'second-one') field limit:" in err, err
+        assert "5 invalid" in err
+        # One line per problem, none of them cut by the terminal width.
+        assert len([line for line in err.splitlines() if line.startswith("policy ")]) == 5
+
+    def test_an_error_with_brackets_prints_verbatim(self) -> None:
+        from rich.console import Console
+
+        from spendgate.cli import say
+
+        out = Console(width=40, record=True, color_system=None)
+        say("error:", "red", "key opus|tenant=[acme]|x [bold]not markup[/] " + "k" * 60, out=out)
+        text = out.export_text().replace("\n", "")
+        assert "key opus|tenant=[acme]|x [bold]not markup[/] " + "k" * 60 in text
+
+
+class TestFlags:
+    @pytest.mark.parametrize("command", [*COMMANDS, ["replay"], ["alerts", "tail"]], ids=str)
+    def test_no_option_shows_a_bool_metavar(self, command: list[str]) -> None:
+        result = CliRunner().invoke(app, [*command, "--help"], terminal_width=100)
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output
+        assert "BOOLEAN" not in result.output
+
+    def test_boolean_options_read_as_flags(self) -> None:
+        replay = CliRunner().invoke(app, ["replay", "--help"], terminal_width=100).output
+        assert "--verify / --no-verify" in replay
+        tail = CliRunner().invoke(app, ["alerts", "tail", "--help"], terminal_width=100).output
+        assert "--follow / --no-follow" in tail
+        assert "--from-beginning " in tail
+
+
+class TestDemoTable:
+    def test_budget_keys_wrap_in_full_on_a_narrow_terminal(self) -> None:
+        from rich.console import Console
+
+        from spendgate.demo import KeyView, Tally, _table
+
+        keys = [
+            "opus-requests-20s|tenant=initech|api_key=initech-key-2",
+            "tenant-tokens-1m|tenant=umbrella",
+        ]
+        tally = Tally(keys={k: KeyView(limit=10, used=9, unit="requests") for k in keys})
+        out = Console(width=80, record=True, color_system=None)
+        out.print(_table(tally, 3.0))
+        rows = [line.split("│") for line in out.export_text().splitlines() if "│" in line]
+        first_column = "".join(cells[1].strip() for cells in rows if len(cells) > 2)
+        for key in keys:
+            assert key in first_column, first_column
+        assert "…" not in out.export_text()
+
+
+class TestSetup:
+    def test_license_is_an_spdx_string(self) -> None:
+        meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+        assert meta["project"]["license"] == "Apache-2.0"
+
+    def test_setup_ends_with_the_two_next_commands(self) -> None:
+        script = (ROOT / "scripts" / "setup").read_text().rstrip().splitlines()
+        tail = "\n".join(script[-4:])
+        assert "bash scripts/demo" in tail
+        assert "bash scripts/test" in tail
