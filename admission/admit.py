@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -47,6 +48,7 @@ from admission.metrics import (
     UNVOUCHED,
 )
 from admission.publisher import UsagePublisher
+from admission.refusals import NoRefusals, RefusalSink
 from admission.reserves import DEFAULT_TTL_MS, reserve_event
 from admission.store import BudgetStore
 from admission.wire import (
@@ -62,6 +64,7 @@ from schemas.decisions import AdmitRequest
 from schemas.events import UsageEvent
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
+from schemas.refusals import Refusal
 
 __all__ = ["AdmitEndpoint", "AdmitService", "bearer"]
 
@@ -90,6 +93,7 @@ class AdmitService:
         publisher: where reserve events go (never awaited here).
         prices: the price catalog for ``cost_usd`` policies.
         ledger: the in-process state used while Redis cannot decide.
+        refusals: where every refusal goes (``budget.refusals``), never awaited.
     """
 
     def __init__(
@@ -98,11 +102,13 @@ class AdmitService:
         publisher: UsagePublisher,
         prices: PriceCatalog | None,
         ledger: DegradedLedger,
+        refusals: RefusalSink | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.prices = prices
         self.ledger = ledger
+        self.refusals: RefusalSink = refusals if refusals is not None else NoRefusals()
         self._planner: Planner | None = None
 
     def planner(self, policies: Sequence[Policy]) -> Planner:
@@ -154,6 +160,19 @@ class AdmitService:
         PUBLISH_OVERFLOW.labels(action="dropped").inc()
         logger.error("publish buffer full: %s dropped", event.event_id)
 
+    def _refused(self, body: AdmitRequest, answer: Answer, now_ms: int) -> None:
+        """Hand a refusal to ``budget.refusals`` (a repeated ``request_id`` too: readers
+        count it once); never waits."""
+        self.refusals.offer(
+            Refusal(
+                request_id=body.request_id,
+                subject=body.subject,
+                estimate=body.estimate,
+                violated=answer.body.get("violated", []),
+                at=datetime.fromtimestamp(now_ms / 1000, UTC),
+            )
+        )
+
     def _check_room(self, charges: Sequence[Charge]) -> None:
         if self.publisher.has_room():
             return
@@ -171,6 +190,8 @@ class AdmitService:
             if state is not None:
                 UNVOUCHED.labels(state=state, mode="open").inc()
         DECISIONS.labels(decision=answer.decision).inc()
+        if result.outcome == "reject":
+            self._refused(body, answer, result.now_ms)
         if result.outcome != "reject" and not result.replayed and result.plan < len(plans):
             plan = plans[result.plan]
             # Built from the same values the script stored in the reservation record, so a
@@ -224,6 +245,7 @@ class AdmitService:
         DECISIONS.labels(decision=answer.decision).inc()
         if not outcome.admitted:
             FALLBACK_ADMITS.labels(mode=outcome.mode, result="refused").inc()
+            self._refused(body, answer, now_ms)
             return answer
         FALLBACK_ADMITS.labels(mode=outcome.mode, result="admitted").inc()
         self.ledger.reservations.put(rid, LocalReservation(body.subject))

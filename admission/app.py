@@ -57,6 +57,7 @@ from admission.metrics import (
     SETTLEMENTS,
 )
 from admission.publisher import UsagePublisher
+from admission.refusals import RefusalSink
 from admission.store import BudgetStore
 from admission.wire import BodyGuard, error_content, error_headers, error_of
 from schemas.decisions import AdmitRequest, Decision
@@ -121,6 +122,7 @@ def create_app(
     authorizer: Authorizer | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ledger: DegradedLedger | None = None,
+    refusals: RefusalSink | None = None,
 ) -> FastAPI:
     """Build the API around an opened store and publisher (see ``admission.server``).
 
@@ -132,10 +134,11 @@ def create_app(
         authorizer: bearer-token auth; ``None`` turns auth off.
         max_body_bytes: larger bodies are refused with 413.
         ledger: the in-process state used while Redis is unreachable.
+        refusals: where refused admissions are published (``budget.refusals``).
     """
     auth = authorizer or Authorizer(None)
     local = ledger or DegradedLedger()
-    service = AdmitService(store, publisher, prices, local)
+    service = AdmitService(store, publisher, prices, local, refusals)
     app = AdmissionAPI(
         title="spendgate admission",
         version="1",

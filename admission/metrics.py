@@ -81,3 +81,10 @@ RESERVES_UNRECOVERABLE = Counter(
     "Unpublished reserves whose reservation record was gone (expired) when swept: "
     "the worker never learned of these reservations.",
 )
+REFUSALS = Counter(
+    "spendgate_admission_refusals_total",
+    "Refused admissions handed to the refusals topic, by result: published (acked by the "
+    "broker) or dropped (buffer full, send failed, or unsent at shutdown: history is "
+    "incomplete there).",
+    ["result"],
+)

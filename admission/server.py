@@ -20,6 +20,7 @@ from admission.auth import Authorizer, load_tokens
 from admission.backpressure import Backpressure
 from admission.publisher import KafkaPublisher
 from admission.redis_check import warn_if_not_durable
+from admission.refusals import KafkaRefusals
 from admission.settings import AdmissionSettings
 from admission.store import BudgetStore
 from admission.sweeper import ReserveSweeper
@@ -85,6 +86,9 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         interval_s=settings.reserve_sweep_s,
     )
     publisher.on_acked = sweeper.acked
+    refusals = KafkaRefusals(
+        settings.kafka_bootstrap, settings.topic("refusals"), settings.refusal_buffer
+    )
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
     )
@@ -99,7 +103,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         try:
             # The sweeper stops first (nothing republished into a closing publisher); the
             # reserves acked while the publisher drains are unlisted after it.
-            async with publisher, sweeper:
+            async with refusals, publisher, sweeper:
                 yield
             await sweeper.unlist_remaining()
         finally:
@@ -113,6 +117,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         lifespan=lifespan,
         authorizer=authorizer,
         max_body_bytes=settings.max_body_bytes,
+        refusals=refusals,
     )
 
 

@@ -28,6 +28,9 @@ class AdmissionSettings(BaseSettings):
     policy_refresh_s: float = Field(1.0, gt=0)
     #: Events waiting to be published or acked; when full, the failure mode decides.
     publish_buffer: int = Field(10_000, ge=1)
+    #: Refusals waiting to be published to ``{prefix}refusals``; one more is dropped
+    #: (and counted): refusals never hold up an answer.
+    refusal_buffer: int = Field(10_000, ge=1)
     #: Redis socket and connect timeout: a dead Redis must not stall admission.
     redis_timeout_s: float = Field(0.25, gt=0)
     #: Connections to Redis per process: at most this many Redis calls run at once.

@@ -28,6 +28,7 @@ from schemas.exceptions import (
 from schemas.matching import BudgetTarget, PolicyIndex, budget_key, matches, targets
 from schemas.policies import Policy, validate_against_catalog
 from schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
+from schemas.refusals import Refusal
 from schemas.units import amount
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "PolicyError",
     "PolicyIndex",
     "PriceCatalog",
+    "Refusal",
     "ReleaseEvent",
     "ReserveEvent",
     "SignedUsage",

@@ -14,6 +14,7 @@ from schemas.decisions import AdmitRequest, Decision
 from schemas.events import UsageEvent
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
+from schemas.refusals import Refusal
 
 _DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -28,6 +29,7 @@ _EXPORTS: dict[str, tuple[str, Any, Literal["validation", "serialization"]]] = {
     "decision.json": ("Decision", Decision, "serialization"),
     "alert.json": ("Alert", Alert, "serialization"),
     "dead-letter.json": ("DeadLetter", DeadLetter, "serialization"),
+    "refusal.json": ("Refusal", Refusal, "serialization"),
 }
 
 

@@ -27,10 +27,13 @@ def usage_retention_ms(settings: WorkerSettings) -> int:
 
 
 async def ensure_topics(settings: WorkerSettings) -> None:
-    """Create ``usage``, ``policies`` (compacted), ``alerts`` and ``dlq`` when missing.
+    """Create ``usage``, ``policies`` (compacted), ``alerts``, ``dlq`` and ``refusals``
+    when missing.
 
     ``usage`` stamps records with the broker's clock (``LogAppendTime``: arrival time for
-    the dedupe horizon) and keeps them as long as the longest allowed window needs.
+    the dedupe horizon) and keeps them as long as the longest allowed window needs;
+    ``refusals`` (refused admissions, read by ``simulate`` beside ``usage``) is stamped and
+    kept the same way. The worker never consumes ``refusals``.
     """
     usage_configs = {
         "message.timestamp.type": "LogAppendTime",
@@ -43,6 +46,7 @@ async def ensure_topics(settings: WorkerSettings) -> None:
         NewTopic(settings.topic("policies"), 1, 1, topic_configs={"cleanup.policy": "compact"}),
         NewTopic(settings.topic("alerts"), 1, 1),
         NewTopic(settings.topic("dlq"), 1, 1),
+        NewTopic(settings.topic("refusals"), settings.partitions, 1, topic_configs=usage_configs),
     ]
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
     await admin.start()

@@ -39,6 +39,7 @@ class TestExport:
             "decision.json",
             "alert.json",
             "dead-letter.json",
+            "refusal.json",
         }
 
     def test_files_are_pretty_sorted_json_with_a_trailing_newline(self) -> None:

@@ -25,6 +25,7 @@ from schemas import (
     ModelPrice,
     Policy,
     PriceCatalog,
+    Refusal,
     ReleaseEvent,
     ReserveEvent,
     SignedUsage,
@@ -75,6 +76,13 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
         "at": AT,
     },
     DeadLetter: {"reason": "bad", "original": "{", "original_b64": "ew==", "at": AT},
+    Refusal: {
+        "request_id": "q",
+        "subject": {"tenant": "acme"},
+        "estimate": {"requests": 1},
+        "violated": ["p"],
+        "at": AT,
+    },
 }
 
 

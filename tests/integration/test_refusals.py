@@ -1,0 +1,99 @@
+"""Refused admissions reach ``{prefix}refusals``; the worker does not account them."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+
+import httpx
+import pytest
+import redis
+
+from schemas.refusals import Refusal
+from streams.settings import WorkerSettings
+from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_all, window_sum
+from tests.fixtures.pipeline import ApplyPolicies
+
+pytestmark = pytest.mark.integration
+
+
+class TestRefusalsTopic:
+    async def test_a_refused_admit_is_published_and_changes_no_window(
+        self,
+        worker: subprocess.Popen[bytes],
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
+        admission_client: httpx.AsyncClient,
+    ) -> None:
+        policy = policy_factory(limit=100, unit="input_tokens", window="1h", bucket="1m")
+        await apply_policies(policy)
+        key = f"{policy.id}|tenant=acme"
+        prefix = worker_settings.redis_prefix
+        admitted = await admission_client.post(
+            "/v1/admit",
+            json={
+                "request_id": "ok-1",
+                "subject": {"tenant": "acme", "model": "m1"},
+                "estimate": {"input_tokens": 60},
+            },
+        )
+        assert admitted.status_code == 200, admitted.text
+        await eventually(lambda: window_sum(redis_sync, prefix, key) == 60, what="reserve")
+        before = buckets(redis_sync, prefix, key)
+
+        rid = f"no-{uuid.uuid4().hex[:8]}"
+        body = {
+            "request_id": rid,
+            "subject": {"tenant": "acme", "model": "m1", "labels": {"app": "x"}},
+            "estimate": {"input_tokens": 50, "output_tokens": 5},
+        }
+        refused = await admission_client.post("/v1/admit", json=body)
+        assert refused.status_code == 429, refused.text
+
+        found: list[Refusal] = []
+        for _ in range(100):  # published without waiting: give the background send time
+            values = await read_all(
+                worker_settings.kafka_bootstrap, worker_settings.topic("refusals")
+            )
+            found = [Refusal.model_validate_json(v) for v in values]
+            if found:
+                break
+            await asyncio.sleep(0.1)
+        (refusal,) = found
+        assert refusal.request_id == rid
+        assert refusal.subject.model_dump() == {
+            "tenant": "acme",
+            "team": None,
+            "project": None,
+            "api_key": None,
+            "user": None,
+            "model": "m1",
+            "env": None,
+            "labels": {"app": "x"},
+        }
+        assert refusal.estimate.input_tokens == 50 and refusal.estimate.output_tokens == 5
+        assert refusal.violated == [policy.id]
+        assert refusal.decision == "reject"
+        assert abs(refusal.at.timestamp() - time.time()) < 60
+
+        # An admit after the refusal proves the worker got past it: its reserve shows up,
+        # and the refusal added nothing to the window or the pending reservations.
+        later = await admission_client.post(
+            "/v1/admit",
+            json={
+                "request_id": "ok-2",
+                "subject": {"tenant": "acme", "model": "m1"},
+                "estimate": {"input_tokens": 40},
+            },
+        )
+        assert later.status_code == 200, later.text
+        await eventually(lambda: window_sum(redis_sync, prefix, key) == 100, what="second")
+        assert sum(before.values()) == 60
+        await asyncio.sleep(1.0)  # had the refusal been charged, 50 more would show by now
+        assert window_sum(redis_sync, prefix, key) == 100
+        assert pending_sum(redis_sync, prefix, key) == 0
