@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -88,6 +89,32 @@ def budget_key(policy: Policy, subject: SubjectView) -> str:
             raise MissingGroupByField(policy.id, field)
         parts.append(f"{_escape(field)}={_escape(value)}")
     return "|".join(parts)
+
+
+_UNESCAPES = {"%25": "%", "%7C": "|", "%3D": "=", "%7B": "{", "%7D": "}"}
+_ESCAPED = re.compile("|".join(_UNESCAPES))
+
+
+def _unescape(value: str) -> str:
+    # One pass, left to right: the inverse of _escape for any string it produced.
+    return _ESCAPED.sub(lambda m: _UNESCAPES[m.group(0)], value)
+
+
+def parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """Split a :func:`budget_key` back into its policy id and ``group_by`` values.
+
+    Args:
+        key: a budget key, for example ``acme-daily|api_key=k1``.
+
+    Returns:
+        The policy id and ``{field: value}`` in key order, both unescaped.
+    """
+    head, *parts = key.split("|")
+    fields: dict[str, str] = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        fields[_unescape(name)] = _unescape(value)
+    return _unescape(head), fields
 
 
 def targets(policies: Iterable[Policy], subject: SubjectView) -> list[BudgetTarget]:

@@ -18,6 +18,15 @@ def window_version_key(prefix: str, key: str) -> str:
     return f"{prefix}wv:{key}"
 
 
+def utilization_key(prefix: str) -> str:
+    """Sorted set indexing every budget window by utilization: member = the window's key
+    (:func:`window_key`), score = the window's total over the policy's limit when it was
+    last written (the worker's window writes and heals, in the same atomic step). Read by
+    the dashboard for top-N and paging without decoding every window; a member whose
+    window expired is removed by whoever finds it so."""
+    return f"{prefix}util"
+
+
 def pending_window_key(prefix: str, key: str) -> str:
     """Hash of the reservations admission holds that the processor has not absorbed yet,
     summed per bucket: field = the last millisecond of a bucket (its admission instant's,

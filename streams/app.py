@@ -99,7 +99,9 @@ def build_app(
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"), policies)
     materializer = RedisMaterializer(
-        aioredis.Redis.from_url(settings.redis_url), settings.redis_prefix
+        aioredis.Redis.from_url(settings.redis_url),
+        settings.redis_prefix,
+        limit_of=lambda policy_id: p.limit if (p := book.policies.get(policy_id)) else None,
     )
     published = {"version": -1}
     # This worker's mark in Redis: when it is gone, Redis lost its data (flush, restart

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
-from schemas import window_codec
+from schemas import window_codec, windows
 from schemas.policies import Policy
 from schemas.redis_keys import (
     marks_key,
@@ -16,6 +16,7 @@ from schemas.redis_keys import (
     policies_key,
     policies_version_key,
     topology_key,
+    utilization_key,
     window_key,
     window_version_key,
 )
@@ -35,13 +36,18 @@ if TYPE_CHECKING:
 # key's applied records by position (KeyState.version), so the newer write has the higher
 # one; an equal version holds the same records.
 #
-# Per key, 4 KEYS and 4 + n ARGV:
+# A window written also sets its score in the utilization index (the dashboard's top-N):
+# one ZADD per key, under the same compare-and-set, so a stale writer moves neither.
+#
+# Per key, 5 KEYS and 5 + n ARGV:
 # KEYS  the window (string, schemas.window_codec layout); the pending window (hash: a
 #       bucket's last ms -> amount pending there); the pending reservations (hash:
-#       reservation id -> "field:amount"); the window's version
+#       reservation id -> "field:amount"); the window's version; the utilization index
+#       (sorted set: window key -> total / limit, schemas.redis_keys.utilization_key)
 # ARGV  the window's new value, or "" to leave it as it is; its PX (ms); its version, or ""
-#       for none (no compare); n; then n reservation ids whose reserve the window now
-#       holds (or never will: a late or settled reserve)
+#       for none (no compare); its utilization score, or "" for none; n; then n
+#       reservation ids whose reserve the window now holds (or never will: a late or
+#       settled reserve)
 # Returns the pending amount moved out.
 # A reservation with no record was never pending here, or its record went with its
 # bucket's age; either way nothing of it counts in the pending window any more. Absorbing
@@ -49,16 +55,20 @@ if TYPE_CHECKING:
 ABSORB = r"""
 local moved = 0
 local a = 1
-for k = 1, #KEYS, 4 do
-  local window, px, version, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+for k = 1, #KEYS, 5 do
+  local window, px, version, score = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local n = tonumber(ARGV[a + 4])
   local newer = false
   if version ~= '' then
     local have = tonumber(redis.call('GET', KEYS[k + 3]) or '-1')
     newer = have > tonumber(version)
     if not newer then redis.call('SET', KEYS[k + 3], version, 'PX', px) end
   end
-  if window ~= '' and not newer then redis.call('SET', KEYS[k], window, 'PX', px) end
-  for i = a + 4, a + 3 + n do
+  if window ~= '' and not newer then
+    redis.call('SET', KEYS[k], window, 'PX', px)
+    if score ~= '' then redis.call('ZADD', KEYS[k + 4], score, KEYS[k]) end
+  end
+  for i = a + 5, a + 4 + n do
     local record = redis.call('HGET', KEYS[k + 2], ARGV[i])
     if record then
       redis.call('HDEL', KEYS[k + 2], ARGV[i])
@@ -74,7 +84,7 @@ for k = 1, #KEYS, 4 do
       moved = moved + math.min(held, amount)
     end
   end
-  a = a + 4 + n
+  a = a + 5 + n
 end
 return moved
 """
@@ -86,7 +96,9 @@ ABSORB_KEYS_PER_CALL = 64
 # Heal one window that differs from the worker's table, unless a newer one was written.
 #
 # KEYS[1] the window               KEYS[2] the window's version
+# KEYS[3] the utilization index (see ABSORB)
 # ARGV[1] the window as the table holds it   ARGV[2] PX (ms)   ARGV[3] its version
+# ARGV[4] its utilization score, or "" for none (set with the window it belongs to)
 # Returns 1 when the window was rewritten, 0 when it matched or Redis holds a newer one.
 HEAL = r"""
 local have = tonumber(redis.call('GET', KEYS[2]) or '-1')
@@ -94,6 +106,7 @@ if have > tonumber(ARGV[3]) then return 0 end
 if have == tonumber(ARGV[3]) and redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+if ARGV[4] ~= '' then redis.call('ZADD', KEYS[3], ARGV[4], KEYS[1]) end
 return 1
 """
 
@@ -121,9 +134,17 @@ return 1
 class RedisMaterializer:
     """Applies each state change to Redis in one atomic step."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str,
+        limit_of: Callable[[str], int | None] | None = None,
+    ) -> None:
+        """Args: limit_of: a policy id's limit in force (None: unknown policy); without
+        it, windows are written without a utilization score."""
         self.client = client
         self.prefix = prefix
+        self.limit_of = limit_of
         self._absorb = client.register_script(ABSORB)
         self._heal = client.register_script(HEAL)
         self._mark = client.register_script(MARK)
@@ -139,7 +160,9 @@ class RedisMaterializer:
                 args: list[bytes | str | int] = []
                 for w in writes[first : first + ABSORB_KEYS_PER_CALL]:
                     keys += self._absorb_keys(w.key)
-                    args += _absorb_args(w.window(), w.spec, w.version, list(w.absorbed))
+                    window = w.window()
+                    score = self.score(w.key, w.state, w.spec) if window is not None else None
+                    args += _absorb_args(window, w.spec, w.version, list(w.absorbed), score)
                 await self._absorb(keys=keys, args=args, client=pipe)
             await pipe.execute()
 
@@ -149,7 +172,19 @@ class RedisMaterializer:
             pending_window_key(self.prefix, key),
             pending_reservations_key(self.prefix, key),
             window_version_key(self.prefix, key),
+            utilization_key(self.prefix),
         ]
+
+    def score(self, key: str, state: KeyState, spec: WindowSpec) -> float | None:
+        """``key``'s utilization for the index: its window total at its own clock (the
+        latest event time) over its policy's limit; None when either is unknown."""
+        if self.limit_of is None or state.bucket_ms != spec.bucket_ms:
+            return None
+        # Policy ids match [a-z0-9._-]: a key's first part is its policy id, unescaped.
+        limit = self.limit_of(key.partition("|")[0])
+        if not limit:
+            return None
+        return windows.total(spec, state.buckets, state.high_ms) / limit
 
     async def heal(self, key: str, state: KeyState) -> bool:
         """Rewrite ``key``'s window from ``state`` if Redis differs and holds nothing newer.
@@ -168,9 +203,19 @@ class RedisMaterializer:
         async with self.client.pipeline(transaction=False) as pipe:
             for i in due:
                 key, state = states[i]
-                keys = [window_key(self.prefix, key), window_version_key(self.prefix, key)]
+                keys = [
+                    window_key(self.prefix, key),
+                    window_version_key(self.prefix, key),
+                    utilization_key(self.prefix),
+                ]
                 value = window_codec.encode(state.buckets, state.bucket_ms)
-                args: list[bytes | int] = [value, 2 * state.window_ms, state.version]
+                spec = WindowSpec(state.window_ms, state.bucket_ms)
+                args: list[bytes | int | str] = [
+                    value,
+                    2 * state.window_ms,
+                    state.version,
+                    _score_arg(self.score(key, state, spec)),
+                ]
                 await self._heal(keys=keys, args=args, client=pipe)
             replies = await pipe.execute()
         for i, reply in zip(due, replies, strict=True):
@@ -184,6 +229,7 @@ class RedisMaterializer:
         spec: WindowSpec,
         reservation_ids: Iterable[str],
         version: int | None = None,
+        score: float | None = None,
     ) -> int:
         """Write ``key``'s window and take reservations out of its pending window, atomically.
 
@@ -195,11 +241,13 @@ class RedisMaterializer:
                 never will: late or already settled); their pending amounts leave.
             version: the window's version, written beside it; the window is written
                 only if Redis holds no newer one (None: no version, no compare).
+            score: the window's utilization for the index, set with the window (None:
+                the index is left as it is).
 
         Returns:
             The pending amount moved out.
         """
-        args = _absorb_args(window, spec, version, list(reservation_ids))
+        args = _absorb_args(window, spec, version, list(reservation_ids), score)
         return int(await self._absorb(keys=self._absorb_keys(key), args=args))
 
     async def restore(self, key: str, state: KeyState) -> None:
@@ -255,10 +303,19 @@ class RedisMaterializer:
         return all(v is not None for v in await self.client.hmget(marks_key(self.prefix), wanted))
 
 
+def _score_arg(score: float | None) -> str:
+    return "" if score is None else f"{score:.6f}"
+
+
 def _absorb_args(
-    window: bytes | None, spec: WindowSpec, version: int | None, rids: list[str]
+    window: bytes | None,
+    spec: WindowSpec,
+    version: int | None,
+    rids: list[str],
+    score: float | None = None,
 ) -> list[bytes | str | int]:
     """One key's :data:`ABSORB` ARGV entries."""
     # Idle longer than this, every bucket has aged out of the window: its PX.
     px = 2 * spec.window_ms
-    return [window or b"", px, "" if version is None else version, len(rids), *rids]
+    version_arg = "" if version is None else version
+    return [window or b"", px, version_arg, _score_arg(score), len(rids), *rids]

@@ -174,7 +174,11 @@ async def replay(
     policies = await _read(settings, since, rebuilt, summary, progress)
     summary.keys = len(rebuilt.states)
     client = aioredis.Redis.from_url(settings.redis_url)
-    materializer = RedisMaterializer(client, settings.redis_prefix)
+    materializer = RedisMaterializer(
+        client,
+        settings.redis_prefix,
+        limit_of=lambda policy_id: p.limit if (p := policies.get(policy_id)) else None,
+    )
     try:
         keys = sorted(rebuilt.states)
         for start in range(0, len(keys), RESTORE_BATCH):

@@ -15,6 +15,7 @@ from schemas import window_codec
 from schemas.redis_keys import (
     pending_reservations_key,
     pending_window_key,
+    utilization_key,
     window_key,
     window_version_key,
 )
@@ -242,5 +243,76 @@ class TestStaleWriter:
                 assert pending == {b"kept": b"59999:7"}
                 held = await client.hgetall(pending_window_key(prefix, w.key))
                 assert held == {b"59999": b"7"}
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
+
+
+class TestUtilizationIndex:
+    """The worker's window writes keep a sorted set of every window's total over its limit,
+    under the same compare-and-set: the dashboard's top-N reads it, decoding nothing."""
+
+    @staticmethod
+    def _write(key: str, buckets: dict[int, int], last_offset: int) -> KeyWrite:
+        state = KeyState(buckets=buckets, bucket_ms=60_000, window_ms=3_600_000)
+        state.high_ms = max(buckets) + 1
+        state.offsets = {0: last_offset}
+        return KeyWrite(key, state, WindowSpec(3_600_000, 60_000), True, True)
+
+    async def test_each_written_window_is_scored_by_its_total_over_its_limit(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        client, prefix = redis_client, key_prefix
+        limits = {"tight": 100, "loose": 10_000}
+        materializer = RedisMaterializer(client, prefix, limit_of=limits.get)
+        writes = [self._write(f"tight|tenant=t{i}", {0: 10 * i, 60_000: 5}, i) for i in range(9)]
+        writes.append(self._write("loose|tenant=t0", {0: 5000}, 1))
+        writes.append(self._write("unknown|tenant=t0", {0: 1}, 1))  # no limit: no score
+        try:
+            await materializer.write_batch(writes)
+            top = await client.zrevrange(utilization_key(prefix), 0, 2, withscores=True)
+            assert top == [
+                (window_key(prefix, "tight|tenant=t8").encode(), pytest.approx(0.85)),
+                (window_key(prefix, "tight|tenant=t7").encode(), pytest.approx(0.75)),
+                (window_key(prefix, "tight|tenant=t6").encode(), pytest.approx(0.65)),
+            ]
+            assert await client.zscore(
+                utilization_key(prefix), window_key(prefix, "loose|tenant=t0")
+            ) == pytest.approx(0.5)
+            assert await client.zcard(utilization_key(prefix)) == 10
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
+
+    async def test_a_stale_writer_moves_neither_window_nor_score_and_a_heal_rescores(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        client, prefix = redis_client, key_prefix
+        materializer = RedisMaterializer(client, prefix, limit_of={"p": 100}.get)
+        key = "p|tenant=moved"
+        member = window_key(prefix, key)
+        try:
+            await materializer.write_batch([self._write(key, {0: 40}, 11)])  # version 12
+            await materializer.write_batch([self._write(key, {0: 90}, 8)])  # stale: 9
+            assert await client.zscore(utilization_key(prefix), member) == pytest.approx(0.4)
+            healed = self._write(key, {0: 70}, 20).state  # the table moved on: version 21
+            assert await materializer.heal(key, healed)
+            assert await client.zscore(utilization_key(prefix), member) == pytest.approx(0.7)
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
+
+    async def test_a_write_that_leaves_the_window_as_it_is_leaves_its_score(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        client, prefix = redis_client, key_prefix
+        materializer = RedisMaterializer(client, prefix, limit_of={"p": 100}.get)
+        key = "p|tenant=same"
+        try:
+            await materializer.write_batch([self._write(key, {0: 30}, 3)])
+            untouched = self._write(key, {0: 99}, 4)
+            untouched.window_changed = False  # only absorbed ids: no window, no score
+            untouched.absorbed = {"r-x": None}
+            await materializer.write_batch([untouched])
+            assert await client.zscore(
+                utilization_key(prefix), window_key(prefix, key)
+            ) == pytest.approx(0.3)
         finally:
             await client.delete(*[k async for k in client.scan_iter(prefix + "*")])

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import MissingGroupByField, Policy, PolicyIndex, Subject, budget_key, matches, targets
+from schemas.matching import parse_key
 
 NASTY = "|=%{}\"'\\"
 values = st.text(
@@ -66,6 +67,12 @@ class TestBudgetKey:
         parts = key.split("|")
         assert len(parts) == 1 + len(GROUP_BY)
         assert all(part.count("=") == 1 for part in parts[1:])
+
+    @given(value_tuples)
+    def test_parse_key_gives_back_the_policy_and_every_value(self, vals: tuple[str, ...]) -> None:
+        policy_id, fields = parse_key(budget_key(POLICY, subject(vals)))
+        assert policy_id == POLICY.id
+        assert fields == dict(zip(GROUP_BY, vals, strict=True))
 
 
 class TestMatches:
