@@ -333,7 +333,7 @@ def create_app(
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise BadRequest(f"{where}: {first['msg']}", where) from exc
-        who.check(subject.tenant, "tenant")
+        who.check_read(subject.tenant, "tenant")
         planner = service.planner(await store.policies())
         # A zero estimate with a zero cost: reading never needs a price.
         plan = planner.plans(subject, Usage(cost_usd_micros=0))[0]

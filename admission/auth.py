@@ -1,10 +1,12 @@
 """Bearer tokens bound to the tenants they may act for.
 
 The tokens file (``SPENDGATE_AUTH_TOKENS_FILE``, YAML or JSON) maps each token to a list
-of tenants, or to ``"*"`` for every tenant::
+of tenants, to ``"*"`` for every tenant, or to ``operator``: a read-only token that sees
+every tenant (``GET /v1/budgets``, the dashboard) and may not admit, commit or release::
 
     s3cr3t-acme: [acme]
     s3cr3t-ops: "*"
+    s3cr3t-oncall: operator
 
 Only SHA-256 digests of the tokens are kept in memory and compared in constant time;
 no token is ever logged.
@@ -17,35 +19,56 @@ import hmac
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from admission.exceptions import Forbidden, Unauthorized
 from schemas.exceptions import ConfigurationError
 
-__all__ = ["ALL_TENANTS", "Authorizer", "Principal", "load_tokens"]
+__all__ = ["ALL_TENANTS", "OPERATOR", "Authorizer", "Grant", "Principal", "load_tokens"]
 
 #: The grant of a token that may act for every tenant.
 ALL_TENANTS = "*"
+#: The grant of a read-only token that sees every tenant and acts for none.
+OPERATOR: Literal["operator"] = "operator"
+#: What a token may do: act for these tenants, for all (``None``), or read all (operator).
+Grant = frozenset[str] | None | Literal["operator"]
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: the tenants it may act for (``None``: every tenant)."""
+    """Who is calling: the tenants it may act for (``None``: every tenant); an operator
+    reads every tenant and acts for none."""
 
     tenants: frozenset[str] | None
+    operator: bool = False
 
     def check(self, tenant: str | None, what: str = "subject.tenant") -> None:
         """Raise :class:`Forbidden` unless this principal may act for ``tenant``.
 
-        A restricted token may not act for a subject without a tenant.
+        A restricted token may not act for a subject without a tenant; an operator token
+        may not act at all.
         """
+        if self.operator:
+            raise Forbidden("an operator token is read-only: it may not admit or settle", what)
         if self.tenants is None:
             return
         if tenant is None or tenant not in self.tenants:
             shown = repr(tenant) if tenant is not None else "(no tenant)"
             raise Forbidden(f"this token may not act for tenant {shown}", what)
+
+    def may_read(self, tenant: str | None) -> bool:
+        """Whether this principal may read ``tenant``'s budgets (``None``: no tenant)."""
+        if self.operator or self.tenants is None:
+            return True
+        return tenant is not None and tenant in self.tenants
+
+    def check_read(self, tenant: str | None, what: str = "tenant") -> None:
+        """Raise :class:`Forbidden` unless this principal may read ``tenant``'s budgets."""
+        if not self.may_read(tenant):
+            shown = repr(tenant) if tenant is not None else "(no tenant)"
+            raise Forbidden(f"this token may not read tenant {shown}", what)
 
 
 #: The principal when auth is off.
@@ -59,7 +82,7 @@ def _digest(token: str) -> bytes:
 class Authorizer:
     """Resolve an ``Authorization`` header to a :class:`Principal`."""
 
-    def __init__(self, grants: dict[str, frozenset[str] | None] | None) -> None:
+    def __init__(self, grants: dict[str, Grant] | None) -> None:
         """Args: grants: token -> tenants (``None``: all); ``None`` turns auth off."""
         self.enabled = grants is not None
         self._grants = [(_digest(t), tenants) for t, tenants in (grants or {}).items()]
@@ -79,7 +102,7 @@ class Authorizer:
         if scheme.lower() != "bearer" or not token:
             raise Unauthorized("the Authorization header must be 'Bearer <token>'")
         digest = _digest(token)
-        found: frozenset[str] | None = None
+        found: Grant = None
         known = False
         # Compare against every entry so the time taken does not depend on which matched.
         for candidate, tenants in self._grants:
@@ -87,11 +110,13 @@ class Authorizer:
                 known, found = True, tenants
         if not known:
             raise Unauthorized("unknown bearer token")
+        if found == OPERATOR:
+            return Principal(None, operator=True)
         return Principal(found)
 
 
-def load_tokens(path: Path) -> dict[str, frozenset[str] | None]:
-    """Read a tokens file (token -> list of tenants, or ``"*"``).
+def load_tokens(path: Path) -> dict[str, Grant]:
+    """Read a tokens file (token -> list of tenants, ``"*"``, or ``operator``).
 
     Raises:
         ConfigurationError: the file cannot be read or is not such a mapping; the message
@@ -103,17 +128,21 @@ def load_tokens(path: Path) -> dict[str, frozenset[str] | None]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigurationError(f"{path}: cannot read the auth tokens file: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ConfigurationError(f"{path}: the auth tokens file maps token -> [tenants] or '*'")
-    grants: dict[str, frozenset[str] | None] = {}
+        raise ConfigurationError(
+            f"{path}: the auth tokens file maps token -> [tenants], '*' or 'operator'"
+        )
+    grants: dict[str, Grant] = {}
     for number, (token, tenants) in enumerate(raw.items(), start=1):
         if not isinstance(token, str) or not token:
             raise ConfigurationError(f"{path}: entry {number}: the token must be a string")
-        if tenants == ALL_TENANTS or (isinstance(tenants, list) and ALL_TENANTS in tenants):
+        if tenants == OPERATOR:
+            grants[token] = OPERATOR
+        elif tenants == ALL_TENANTS or (isinstance(tenants, list) and ALL_TENANTS in tenants):
             grants[token] = None
         elif isinstance(tenants, list) and all(isinstance(t, str) and t for t in tenants):
             grants[token] = frozenset(tenants)
         else:
             raise ConfigurationError(
-                f"{path}: entry {number}: tenants must be a list of names or '*'"
+                f"{path}: entry {number}: tenants must be a list of names, '*' or 'operator'"
             )
     return grants

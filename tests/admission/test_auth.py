@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from admission.auth import Authorizer, load_tokens
+from admission.auth import OPERATOR, Authorizer, load_tokens
 from schemas.exceptions import ConfigurationError
 from tests.fixtures.admission import Admission, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
@@ -17,11 +17,19 @@ pytestmark = pytest.mark.integration
 A = {"Authorization": "Bearer tok-a"}
 B = {"Authorization": "Bearer tok-b"}
 ALL = {"Authorization": "Bearer tok-all"}
+OPS = {"Authorization": "Bearer tok-ops"}
 
 
 @pytest.fixture
 async def adm(make_admission: MakeAdmission, policy_factory: PolicyFactory) -> Admission:
-    authorizer = Authorizer({"tok-a": frozenset({"a"}), "tok-b": frozenset({"b"}), "tok-all": None})
+    authorizer = Authorizer(
+        {
+            "tok-a": frozenset({"a"}),
+            "tok-b": frozenset({"b"}),
+            "tok-all": None,
+            "tok-ops": OPERATOR,
+        }
+    )
     admission = await make_admission(authorizer=authorizer)
     await admission.policies(policy_factory(limit=1000, unit="input_tokens"))
     return admission
@@ -71,6 +79,19 @@ class TestAuth:
         got = await adm.http.get("/v1/budgets", params={"tenant": "zzz"}, headers=ALL)
         assert got.status_code == 200
 
+    async def test_operator_token_reads_every_tenant_and_acts_for_none(
+        self, adm: Admission
+    ) -> None:
+        for tenant in ("a", "b", "zzz"):
+            got = await adm.http.get("/v1/budgets", params={"tenant": tenant}, headers=OPS)
+            assert got.status_code == 200, got.text
+        admit = await adm.admit("a", input_tokens=1, headers=OPS)
+        assert admit.status_code == 403
+        assert "read-only" in admit.json()["error"]["message"]
+        rid = (await adm.admit("a", input_tokens=5, headers=A)).json()["reservation_id"]
+        release = await adm.http.post("/v1/release", json={"reservation_id": rid}, headers=OPS)
+        assert release.status_code == 403
+
     async def test_health_and_metrics_need_no_token(self, adm: Admission) -> None:
         assert (await adm.http.get("/healthz")).status_code == 200
         assert (await adm.http.get("/metrics")).status_code == 200
@@ -79,8 +100,12 @@ class TestAuth:
 class TestTokensFile:
     def test_yaml_and_json_files(self, tmp_path: Path) -> None:
         yaml_file = tmp_path / "t.yaml"
-        yaml_file.write_text('k1: [acme, beta]\nk2: "*"\n')
-        assert load_tokens(yaml_file) == {"k1": frozenset({"acme", "beta"}), "k2": None}
+        yaml_file.write_text('k1: [acme, beta]\nk2: "*"\nk4: operator\n')
+        assert load_tokens(yaml_file) == {
+            "k1": frozenset({"acme", "beta"}),
+            "k2": None,
+            "k4": "operator",
+        }
         json_file = tmp_path / "t.json"
         json_file.write_text('{"k3": ["x"]}')
         assert load_tokens(json_file) == {"k3": frozenset({"x"})}
