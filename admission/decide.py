@@ -34,6 +34,7 @@ from urllib.parse import quote
 
 from admission.fallback import DegradedLedger, strictest
 from admission.scripts import TargetTemplate
+from schemas.burst import BurstSpec, full_after_ms
 from schemas.events import Subject, Usage
 from schemas.exceptions import MissingGroupByField, UnitError
 from schemas.matching import BudgetTarget, PolicyIndex, budget_key
@@ -102,12 +103,15 @@ class PolicyTerms:
     tenant_scoped: bool
     #: The policy's part of the admit script's arguments.
     template: TargetTemplate
+    #: The policy's token bucket, if any.
+    burst: BurstSpec | None = None
 
     @classmethod
     def of(cls, policy: Policy) -> PolicyTerms:
         """Parse the policy's durations once and encode its script arguments."""
         window_ms = policy.window_ms
         ttl_ms = policy.reservation_ttl_ms
+        burst = policy.burst.spec() if policy.burst is not None else None
         return cls(
             policy=policy,
             window_ms=window_ms,
@@ -124,7 +128,9 @@ class PolicyTerms:
                 observe=policy.mode == "observe",
                 on_exceed=_ON_EXCEED[policy.on_exceed],
                 failure=_FAILURE[policy.failure],
+                burst=burst.encode() if burst is not None else "",
             ),
+            burst=burst,
         )
 
 
@@ -162,6 +168,8 @@ class KeyState:
     violated: bool
     reset_after_ms: int
     state: State = "vouched"
+    #: With a ``burst``: whole tokens left and ms until the bucket is full again.
+    burst: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +350,15 @@ def statuses(charges: Sequence[Charge], keys: Sequence[KeyState]) -> list[dict[s
         }
         if state.state != "vouched":
             item["state"] = state.state
+        spec = _terms(charge).burst
+        if spec is not None and state.burst is not None:
+            tokens, full_ms = state.burst
+            item["burst"] = {
+                "capacity": spec.capacity,
+                "remaining": tokens,
+                "window_seconds": _seconds(full_after_ms(spec, 0)),
+                "reset_after_seconds": _seconds(full_ms),
+            }
         out.append(item)
     return out
 
@@ -361,6 +378,13 @@ def ratelimit_headers(budgets: Sequence[Any]) -> dict[str, str]:
     if not budgets:
         return {}
     items = [b if isinstance(b, dict) else b.model_dump() for b in budgets]
+    # A token bucket competes as its own quota, named ``<policy>.burst``: its refill time
+    # is what a client waits for when the bucket, not the window, is the tighter.
+    items += [
+        {**burst, "policy": f"{b['policy']}.burst", "limit": burst["capacity"]}
+        for b in items
+        if (burst := b.get("burst")) is not None
+    ]
     tight = min(items, key=lambda b: (b["remaining"] / b["limit"], b["remaining"], b["policy"]))
     return {
         "RateLimit-Policy": f'"{tight["policy"]}";q={tight["limit"]};w={tight["window_seconds"]}',

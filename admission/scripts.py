@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from admission.burst_lua import BURST_LUA_LIB
 from admission.window_lua import WINDOW_LUA_LIB
 
 __all__ = [
@@ -76,7 +77,9 @@ class AdmitTarget:
     the plan to try when this key refuses (0 none); the amount at ``o`` output tokens is
     ``ceil((cap_s + o * cap_r) / cap_d)``; ``deps``: the 1-based indexes into the header's
     ``marks`` this key's window depends on; ``failure``: the policy's failure mode, 0
-    closed, 1 open, 2 degraded (what an unvouched window means).
+    closed, 1 open, 2 degraded (what an unvouched window means); ``burst``: the policy's
+    token bucket as ``rate:per_ms:capacity`` (``schemas.burst.BurstSpec.encode``), ``""``
+    for none (a target with one has a fourth key, the bucket's state).
     """
 
     limit: int
@@ -93,6 +96,7 @@ class AdmitTarget:
     cap_d: int
     deps: tuple[int, ...]
     failure: int
+    burst: str = ""
 
     def argv(self) -> list[ArgValue]:
         """The entries, encoded as the script reads them."""
@@ -111,6 +115,7 @@ class AdmitTarget:
             self.cap_d,
             encode_deps(self.deps),
             self.failure,
+            self.burst,
         ]
 
 
@@ -125,6 +130,7 @@ class TargetTemplate:
     head: tuple[ArgValue, ...]
     middle: tuple[ArgValue, ...]
     failure: int
+    burst: str = ""
 
     @classmethod
     def of(
@@ -138,12 +144,14 @@ class TargetTemplate:
         observe: bool,
         on_exceed: int,
         failure: int,
+        burst: str = "",
     ) -> TargetTemplate:
         """The template of one policy (the same fields as :class:`AdmitTarget`)."""
         return cls(
             (limit, window_ms, bucket_ms, boundary),
             (reservation_ttl_ms, int(observe), on_exceed),
             failure,
+            burst,
         )
 
     def argv(
@@ -166,6 +174,7 @@ class TargetTemplate:
             cap_d,
             deps,
             self.failure,
+            self.burst,
         ]
 
 
@@ -181,7 +190,8 @@ ADMIT_ARGS_PER_TARGET = len(fields(AdmitTarget))
 #: KEYS entries before the first target in :data:`ADMIT`: the request's answer, the
 #: reservation record, the unpublished reserves, the applied marks.
 ADMIT_HEADER_KEYS = 4
-#: KEYS entries per budget key in :data:`ADMIT`: window, pending window, pending reservations.
+#: KEYS entries per budget key in :data:`ADMIT`: window, pending window, pending reservations
+#: (and a fourth, the token bucket, for a key whose policy has a ``burst``).
 ADMIT_KEYS_PER_TARGET = 3
 #: Reply entries per budget key of the reported plan.
 ADMIT_REPLY_PER_TARGET = 6
@@ -205,27 +215,36 @@ ADMIT_REPLY_PER_TARGET = 6
 #                      stream processor), the pending window (hash: a bucket's last ms ->
 #                      amount pending there) and the pending reservations (hash:
 #                      reservation id -> "field:amount", where it sits in the pending
-#                      window), see schemas/redis_keys.py
+#                      window), see schemas/redis_keys.py; a target whose burst entry
+#                      is not empty has a 4th key: its token bucket (string
+#                      "level:at_ms", see schemas/burst.py; missing = full)
 # ARGV (encoded by AdmitHeader and AdmitTarget above):
 # ARGV[1] read-only (1: evaluate plan 1, reserve and store nothing, ignore KEYS[1])
 # ARGV[2] reservation id      ARGV[3] idempotency ttl ms   ARGV[4] record ttl ms
 # ARGV[5] the estimate's output tokens (for cap)           ARGV[6] the estimate (JSON)
 # ARGV[7] number of plans     ARGV[8] staleness bound ms     ARGV[9] m, number of marks
 # ARGV[10..9+m] the mark fields the targets depend on
-# per plan: subject JSON (stored in the record), n targets, then per target 14 entries:
+# per plan: subject JSON (stored in the record), n targets, then per target 15 entries:
 #   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms (only the reserve
 #   event's expires_at uses it: a pending amount ages out with its bucket, expired or
 #   not), observe (0/1), on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index
 #   (0 none), cap_s, cap_r, cap_d: the amount at o output tokens is
 #   ceil((cap_s + o*cap_r) / cap_d) (cap_r = 0: capping output does not lower this amount),
 #   deps (comma-separated indexes of the marks the window depends on), failure (0 closed,
-#   1 open, 2 degraded)
+#   1 open, 2 degraded), burst ("rate:per_ms:capacity" or "" for none)
 # Returns {replayed (0/1), outcome (0 reject, 1 allow, 2 cap, 3 observe_reject,
 #          5 unvouched), now_ms,
 #          retry_after_ms (-1 none, -2 never fits), reservation id, plan index,
 #          max output tokens (-1 none), n, then per target of the reported plan:
 #          used, reserved by others, own (reserved by this request), violated (0/1),
-#          reset_after_ms, state (0 vouched, 1 stale, 2 missing)}
+#          reset_after_ms, state (0 vouched, 1 stale, 2 missing),
+#          then b, the reported plan's targets with a burst, and per such target:
+#          its index (1-based), whole tokens left, ms until the bucket is full}
+#
+# Burst: a key's token bucket is checked beside its window on the same amount: a key
+# refuses when either does, its Retry-After is when both fit (the bucket's refill is
+# exact), and a reservation takes its amount from the bucket in the same write. A key
+# without a burst reads and writes nothing more.
 #
 # State that cannot be vouched for: a key whose marks are missing (Redis lost its data and
 # the worker has not restored and caught up) or older than the staleness bound (its
@@ -252,6 +271,7 @@ ADMIT_REPLY_PER_TARGET = 6
 # record beside it is only written here and read by the processor's absorb.
 ADMIT = (
     WINDOW_LUA_LIB
+    + BURST_LUA_LIB
     + r"""
 local read_only = ARGV[1] == '1'
 if not read_only then
@@ -305,8 +325,14 @@ for p = 1, nplans do
       local st = mark_state[tonumber(d)]
       if st > plan.targets[j].state then plan.targets[j].state = st end
     end
-    a = a + 14
     k = k + 3
+    if ARGV[a + 14] ~= '' then
+      local x = plan.targets[j]
+      x.brate, x.bper, x.bcap = burst_parse(ARGV[a + 14])
+      x.bkey = KEYS[k]
+      k = k + 1
+    end
+    a = a + 15
   end
   plans[p] = plan
 end
@@ -324,9 +350,16 @@ local function load(plan)
     x.used = absorbed
     if x.used < 0 then x.used = 0 end
     x.reserved = pending
-    x.violated = x.used + x.reserved + x.amount > x.limit
+    x.wviolated = x.used + x.reserved + x.amount > x.limit
     -- An unvouched window of a policy that fails open never refuses.
-    if x.state > 0 and x.failure == 1 then x.violated = false end
+    if x.state > 0 and x.failure == 1 then x.wviolated = false end
+    x.violated = x.wviolated
+    if x.brate then
+      -- The bucket is admission's own state, never unvouched.
+      x.blevel, x.bfits, x.bwait, x.bnever = burst_check(redis.call('GET', x.bkey), x.brate,
+                                                          x.bper, x.bcap, now, x.amount)
+      if not x.bfits then x.violated = true end
+    end
     x.own = 0
   end
 end
@@ -358,16 +391,21 @@ local function retry_of(plan, observe)
   for j = 1, plan.n do
     local x = plan.targets[j]
     if x.violated and x.observe == observe then
-      local at, never = window_retry_after(x.starts, x.amounts, x.count, now, x.window,
-                                           x.bucket, x.boundary, x.limit, 0, x.amount)
-      local wait
-      if never then
-        wait = -2
-      elseif at then
-        wait = at - now
-      else
-        -- Unreachable with non-negative usage: everything has aged out by then.
-        wait = x.window + x.bucket
+      local wait = 0
+      if x.wviolated then
+        local at, never = window_retry_after(x.starts, x.amounts, x.count, now, x.window,
+                                             x.bucket, x.boundary, x.limit, 0, x.amount)
+        if never then
+          wait = -2
+        elseif at then
+          wait = at - now
+        else
+          -- Unreachable with non-negative usage: everything has aged out by then.
+          wait = x.window + x.bucket
+        end
+      end
+      if x.brate and not x.bfits then
+        if x.bnever then wait = -2 elseif wait ~= -2 and x.bwait > wait then wait = x.bwait end
       end
       if wait == -2 or retry == -2 then retry = -2 elseif wait > retry then retry = wait end
     end
@@ -390,6 +428,10 @@ local function cap_output(plan)
     local x = plan.targets[j]
     if not x.observe then
       local room = x.limit - x.used - x.reserved
+      if x.brate then
+        local tokens = (x.blevel - math.fmod(x.blevel, x.bper)) / x.bper
+        if tokens < room then room = tokens end
+      end
       if x.cap_r == 0 then
         if x.amount > room then return -1 end
       elseif room * x.cap_d < 9007199254740992 then
@@ -479,6 +521,25 @@ for j = 1, plan.n do
   answer[#answer + 1] = reset_after(x)
   answer[#answer + 1] = x.state
 end
+local nb, bpos = 0, #answer + 1
+answer[bpos] = 0
+for j = 1, plan.n do
+  local x = plan.targets[j]
+  if x.brate then
+    local left, full_ms
+    if x.own > 0 and not read_only then
+      left, full_ms = burst_take(x.blevel, x.brate, x.bper, x.bcap, x.own)
+      x.bleft, x.bttl = left, full_ms
+    else
+      left, full_ms = burst_take(x.blevel, x.brate, x.bper, x.bcap, 0)
+    end
+    nb = nb + 1
+    answer[#answer + 1] = j
+    answer[#answer + 1] = (left - math.fmod(left, x.bper)) / x.bper
+    answer[#answer + 1] = full_ms
+  end
+end
+answer[bpos] = nb
 if outcome ~= 0 and outcome ~= 5 and not read_only then
   for j = 1, plan.n do
     local x = plan.targets[j]
@@ -493,6 +554,10 @@ if outcome ~= 0 and outcome ~= 5 and not read_only then
       redis.call('HSET', x.prkey, rid, field .. ':' .. string.format('%d', x.own))
       redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
       redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
+    end
+    if x.bleft then
+      redis.call('SET', x.bkey, string.format('%d:%d', x.bleft, now), 'PX',
+                 string.format('%d', x.bttl))
     end
   end
   local ttl = 0

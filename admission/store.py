@@ -31,6 +31,7 @@ from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE, AdmitHeader
 from schemas.events import Subject, Usage, partition_key
 from schemas.policies import Policy
 from schemas.redis_keys import (
+    burst_key,
     marks_key,
     pending_reservations_key,
     pending_window_key,
@@ -260,6 +261,8 @@ class BudgetStore:
                     pending_window_key(prefix, key),
                     pending_reservations_key(prefix, key),
                 ]
+                if terms.burst is not None:
+                    keys.append(burst_key(prefix, key))
                 ttl_ms = terms.reservation_ttl_ms + RECORD_GRACE_MS
                 if ttl_ms > record_ttl_ms:
                     record_ttl_ms = ttl_ms
@@ -364,6 +367,11 @@ def _result(raw: list[bytes | int]) -> AdmitResult:
     count = int(n)
     # An answer stored before the state entry existed has one entry less per key.
     per = ADMIT_REPLY_PER_TARGET if len(rest) >= count * ADMIT_REPLY_PER_TARGET else 5
+    # Then the keys with a token bucket (absent from answers stored before bursts).
+    bursts: dict[int, tuple[int, int]] = {}
+    tail = rest[count * per :]
+    for i in range(1, 1 + 3 * int(tail[0]) if tail else 1, 3):
+        bursts[int(tail[i]) - 1] = (int(tail[i + 1]), int(tail[i + 2]))
     states = tuple(
         KeyState(
             used=int(rest[i]),
@@ -372,6 +380,7 @@ def _result(raw: list[bytes | int]) -> AdmitResult:
             violated=bool(int(rest[i + 3])),
             reset_after_ms=int(rest[i + 4]),
             state=_STATES[int(rest[i + 5])] if per > 5 else "vouched",
+            burst=bursts.get(i // per),
         )
         for i in range(0, count * per, per)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas.alerts import Alert, AlertKind, alert_id
 from schemas.deadletter import DeadLetter, dead_letter
-from schemas.decisions import AdmitRequest, BudgetStatus, Decision
+from schemas.decisions import AdmitRequest, BudgetStatus, BurstStatus, Decision
 from schemas.events import (
     AdjustEvent,
     CommitEvent,
@@ -26,7 +26,7 @@ from schemas.exceptions import (
     UnpricedModel,
 )
 from schemas.matching import BudgetTarget, PolicyIndex, budget_key, matches, targets
-from schemas.policies import Policy, validate_against_catalog
+from schemas.policies import Burst, Policy, validate_against_catalog
 from schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
 from schemas.refusals import Refusal
 from schemas.units import amount
@@ -38,6 +38,8 @@ __all__ = [
     "AlertKind",
     "BudgetStatus",
     "BudgetTarget",
+    "Burst",
+    "BurstStatus",
     "CommitEvent",
     "ConfigurationError",
     "DeadLetter",

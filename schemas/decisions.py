@@ -23,6 +23,20 @@ class AdmitRequest(BaseModel):
     estimate: Usage
 
 
+class BurstStatus(BaseModel):
+    """A budget key's token bucket (policy ``burst``) as seen by a decision."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    capacity: int
+    #: Whole tokens left after this decision.
+    remaining: int
+    #: How long an empty bucket takes to fill (the bucket's window, for ``RateLimit``).
+    window_seconds: int
+    #: When the bucket is full again (its exact refill time, rounded up).
+    reset_after_seconds: int
+
+
 class BudgetStatus(BaseModel):
     """One budget key's state as seen by a decision."""
 
@@ -41,6 +55,8 @@ class BudgetStatus(BaseModel):
     #: restored) or ``stale`` (the worker is dead or too far behind); the numbers above
     #: are then what Redis holds, and the policy's failure mode decided.
     state: UnvouchedState | None = None
+    #: Set for a policy with a ``burst``: its token bucket.
+    burst: BurstStatus | None = None
 
 
 class Decision(BaseModel):

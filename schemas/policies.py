@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from schemas.burst import BurstSpec
 from schemas.exceptions import PolicyError
 from schemas.types import (
     MAX_AMOUNT,
@@ -46,6 +47,43 @@ def _match_schema(schema: dict[str, Any]) -> None:
         schema["additionalProperties"] = values
 
 
+class Burst(BaseModel):
+    """A token bucket beside the window: at most ``capacity`` of the policy's unit at once,
+    refilled at ``rate`` per ``per`` (see ``schemas.burst``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rate: Limit
+    per: Duration = "1s"
+    capacity: Limit
+
+    @property
+    def per_ms(self) -> int:
+        """The refill period in milliseconds."""
+        return parse_duration_ms(self.per)
+
+    @field_validator("per")
+    @classmethod
+    def _per_range(cls, value: str) -> str:
+        if parse_duration_ms(value) > _MAX_TTL_MS:
+            raise ValueError(f"per {value} must be at most 24h")
+        return value
+
+    @model_validator(mode="after")
+    def _exact(self) -> Self:
+        # The Lua twin keeps the level as capacity * per_ms in a double: exact to 2**53.
+        if self.capacity * self.per_ms > MAX_AMOUNT:
+            raise ValueError(
+                f"capacity: {self.capacity} x per {self.per} exceeds 2**53 - 1; "
+                "use a shorter per or a smaller capacity"
+            )
+        return self
+
+    def spec(self) -> BurstSpec:
+        """The engine's view of this bucket."""
+        return BurstSpec(self.rate, self.per_ms, self.capacity)
+
+
 class Policy(BaseModel):
     """One budget rule: no more than ``limit`` ``unit`` in any trailing ``window``.
 
@@ -70,6 +108,7 @@ class Policy(BaseModel):
     mode: Mode = "enforce"
     on_exceed: OnExceed = "reject"
     downgrade_to: SubjectValue | None = None
+    burst: Burst | None = None
     alerts: list[Threshold] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
     failure: FailureMode = "closed"
     degraded_allowance: Fraction = 0.1

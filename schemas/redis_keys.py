@@ -45,6 +45,14 @@ def pending_reservations_key(prefix: str, key: str) -> str:
     return f"{prefix}pr:{key}"
 
 
+def burst_key(prefix: str, key: str) -> str:
+    """String holding one budget key's token bucket (policy ``burst``), ``level:at_ms``
+    (``schemas.burst``): written by the admit script with an expiry at the instant the
+    bucket would be full again, so a missing key is a full bucket (also after a Redis
+    loss: bursts are limited again from a full bucket; the window keeps the allowance)."""
+    return f"{prefix}bt:{key}"
+
+
 def policies_key(prefix: str) -> str:
     """Hash of the policies in force: field = policy id, value = policy JSON."""
     return f"{prefix}policies"

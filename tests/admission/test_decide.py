@@ -146,7 +146,13 @@ class TestTemplate:
         args = PolicyTerms.of(p).template.argv(5, 0, 0, 1, 1, "1")
         assert args[:4] == [77, p.window_ms, p.bucket_ms, "include"]
         assert args[4:8] == [5, p.reservation_ttl_ms, 1, 1]
-        assert args[-1] == 2
+        assert args[-2:] == [2, ""]
+
+    def test_policy_terms_encode_the_burst(self) -> None:
+        p = policy("b", burst={"rate": 3, "per": "2s", "capacity": 10})
+        terms = PolicyTerms.of(p)
+        assert terms.template.argv(5, 0, 0, 1, 1, "1")[-1] == "3:2000:10"
+        assert terms.burst is not None and terms.burst.full == 20_000
 
 
 class TestCapTerms:

@@ -19,6 +19,8 @@ from schemas import (
     AdmitRequest,
     Alert,
     BudgetStatus,
+    Burst,
+    BurstStatus,
     CommitEvent,
     DeadLetter,
     Decision,
@@ -64,6 +66,8 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
         "window_seconds": 60,
         "reset_after_seconds": 0,
     },
+    Burst: {"rate": 1, "capacity": 5},
+    BurstStatus: {"capacity": 5, "remaining": 2, "window_seconds": 5, "reset_after_seconds": 3},
     Decision: {"decision": "cap", "max_output_tokens": 10},
     Alert: {
         "alert_id": "x",

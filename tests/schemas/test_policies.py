@@ -40,6 +40,7 @@ def refused_fields(change: dict[str, Any]) -> set[str]:
         named: set[str] = set()
         for error in exc.errors():
             named.update(str(part) for part in error["loc"])
+            named.add(".".join(str(part) for part in error["loc"]))
             if not error["loc"]:
                 named.add(error["msg"].removeprefix("Value error, ").split(":", 1)[0])
         return named
@@ -102,6 +103,15 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"group_by": ["labels."]}, "group_by"),
     ({"group_by": "tenant"}, "group_by"),
     ({"surprise": 1}, "surprise"),
+    ({"burst": {"rate": 1, "per": "1s", "capacity": 0}}, "burst.capacity"),
+    ({"burst": {"rate": 0, "capacity": 10}}, "burst.rate"),
+    ({"burst": {"rate": 1, "capacity": True}}, "burst.capacity"),
+    ({"burst": {"rate": 1}}, "burst.capacity"),
+    ({"burst": {"rate": 1, "capacity": 10, "per": "soon"}}, "burst.per"),
+    ({"burst": {"rate": 1, "capacity": 10, "per": "2d"}}, "burst.per"),
+    ({"burst": {"rate": 1, "capacity": 2**52, "per": "1s"}}, "burst"),
+    ({"burst": {"rate": 1, "capacity": 10, "size": 3}}, "burst.size"),
+    ({"burst": 10}, "burst"),
 ]
 
 VALID_POLICIES: list[dict[str, Any]] = [
@@ -142,6 +152,18 @@ VALID_POLICIES: list[dict[str, Any]] = [
     {"id": "open", "unit": "total_tokens", "limit": 9, "failure": "open", "boundary": "prorate"},
     {"id": "ttl", "unit": "requests", "limit": 2, "reservation_ttl": "24h", "window": "48h"},
     {"id": "full-degraded", "unit": "requests", "limit": 2, "degraded_allowance": 1},
+    {
+        "id": "bursty",
+        "unit": "requests",
+        "limit": 100,
+        "burst": {"rate": 5, "per": "1s", "capacity": 20},
+    },
+    {
+        "id": "burst-hourly",
+        "unit": "cost_usd",
+        "limit": 9,
+        "burst": {"rate": 1, "per": "1h", "capacity": 3},
+    },
 ]
 
 
