@@ -137,6 +137,19 @@ class CommitEvent(_Event):
     reservation_id: Identifier | None = None
 
 
+class ExtendEvent(_Event):
+    """A streaming reservation grew by ``usage`` at ``occurred_at`` (published by admission).
+
+    ``seq`` numbers the extends of one reservation; the event id derives from the
+    reservation id and ``seq``, so a retried extend is one event.
+    """
+
+    kind: Literal["extend"] = "extend"
+    reservation_id: Identifier
+    seq: int = Field(ge=1, le=2**31 - 1)
+    usage: Usage
+
+
 class ReleaseEvent(_Event):
     """A reservation ended without a charge."""
 
@@ -153,7 +166,8 @@ class AdjustEvent(_Event):
 
 
 UsageEvent = Annotated[
-    ReserveEvent | CommitEvent | ReleaseEvent | AdjustEvent, Field(discriminator="kind")
+    ReserveEvent | ExtendEvent | CommitEvent | ReleaseEvent | AdjustEvent,
+    Field(discriminator="kind"),
 ]
 usage_event_adapter: TypeAdapter[UsageEvent] = TypeAdapter(UsageEvent)
 
@@ -170,3 +184,8 @@ def parse_event(raw: bytes | str) -> UsageEvent:
 def partition_key(subject: Subject) -> bytes:
     """Record key on ``budget.usage``: the tenant, ``_`` when absent."""
     return (subject.tenant or "_").encode()
+
+
+def extend_event_id(reservation_id: str, seq: int) -> str:
+    """The event id of a reservation's ``seq``-th extend (also its pending entry's name)."""
+    return f"extend-{seq}-{reservation_id}"

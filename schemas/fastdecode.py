@@ -32,7 +32,7 @@ from schemas.types import MAX_AMOUNT
 
 __all__ = ["Event", "FastSubject", "FastUsage", "Kind", "decode", "from_model"]
 
-Kind = Literal["reserve", "commit", "release", "adjust"]
+Kind = Literal["reserve", "extend", "commit", "release", "adjust"]
 
 _Ident = Annotated[str, Meta(min_length=1, max_length=200)]
 _Amount = Annotated[int, Meta(ge=0, le=MAX_AMOUNT)]
@@ -98,6 +98,12 @@ class _Reserve(_Base, frozen=True, tag="reserve"):
     expires_at: str
 
 
+class _Extend(_Base, frozen=True, tag="extend"):
+    reservation_id: _Ident
+    seq: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    usage: FastUsage
+
+
 class _Commit(_Base, frozen=True, tag="commit"):
     usage: FastUsage
     reservation_id: _Ident | None = None
@@ -112,7 +118,7 @@ class _Adjust(_Base, frozen=True, tag="adjust"):
     ref_event_id: _Ident | None = None
 
 
-_DECODER = msgspec.json.Decoder(_Reserve | _Commit | _Release | _Adjust)
+_DECODER = msgspec.json.Decoder(_Reserve | _Extend | _Commit | _Release | _Adjust)
 
 
 class Event(Struct, frozen=True):
@@ -164,6 +170,10 @@ def _fast(raw: bytes) -> Event | None:
             rec.usage,
             rec.reservation_id,
             expires // 1000,
+        )
+    if isinstance(rec, _Extend):
+        return Event(
+            "extend", rec.event_id, rec.subject, occurred // 1000, rec.usage, rec.reservation_id
         )
     if isinstance(rec, _Commit):
         return Event(

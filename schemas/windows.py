@@ -48,12 +48,22 @@ Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later
   of the window exactly like absorbed usage: a ``retry_after`` over the combined buckets
   is at most ``window_ms + bucket_ms`` after ``t_ms`` whenever nothing is future-dated.
 
+* When is an amount charged (``settle``)? Every amount lands in the bucket of the instant
+  it was asked for: a reservation's estimate at its admission instant, each extend of it
+  at the extend's own instant, an overage (actual above everything reserved) at the
+  commit's instant. The part of the actual within the reservation replaces it where it
+  stands, filling the reservation's slices oldest first (a stream uses what it reserved
+  first before what it added later); what is left of a slice is refunded in that slice's
+  bucket. So a long stream on a short window keeps paying for what it adds, an overage is
+  never free because its reservation aged out, and with nothing future-dated a
+  ``retry_after`` is still at most ``window_ms + bucket_ms`` away.
+
 The Lua twin in ``admission/window_lua.py`` implements the same arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from schemas.types import Boundary
@@ -73,6 +83,7 @@ __all__ = [
     "prune",
     "rebucket",
     "retry_after",
+    "settle",
     "total",
 ]
 
@@ -424,3 +435,39 @@ def rebucket(buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int)
         target = last - last % new_bucket_ms
         moved[target] = moved.get(target, 0) + value
     return {k: v for k, v in moved.items() if v}
+
+
+def settle(
+    slices: Sequence[tuple[int, int]], actual: int, commit_ms: int, aged: int = 0
+) -> tuple[list[tuple[int, int]], int]:
+    """The charges a commit makes against its reservation (the rule in the module docstring).
+
+    Args:
+        slices: what the reservation charged so far, as ``(ms, amount)`` in time order:
+            the estimate at its admission instant, then each extend at its instant
+            (amounts >= 0).
+        actual: the committed usage (>= 0; 0 for a release).
+        commit_ms: the commit's instant (where an overage lands).
+        aged: reserved amounts whose slices already left every window, older than every
+            slice in ``slices``: they are filled first and refund nothing.
+
+    Returns:
+        ``(charges, overage)``: the signed ``(ms, delta)`` charges to add (zero deltas
+        left out; refunds of unused slices at their own instants, the overage at
+        ``commit_ms``) and the overage amount (``actual`` above everything reserved).
+
+    Raises:
+        ValueError: a negative amount.
+    """
+    if actual < 0 or aged < 0 or any(a < 0 for _, a in slices):
+        raise ValueError("settle: amounts must be >= 0")
+    rest = max(0, actual - aged)
+    charges: list[tuple[int, int]] = []
+    for ms, held in slices:
+        kept = min(rest, held)
+        rest -= kept
+        if kept != held:
+            charges.append((ms, kept - held))
+    if rest:
+        charges.append((commit_ms, rest))
+    return charges, rest

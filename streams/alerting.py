@@ -60,8 +60,8 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
     if state.reservations:
         due = [
             rid
-            for rid, (_, _, expires_ms) in state.reservations.items()
-            if expires_ms <= at_ms and rid not in state.expired
+            for rid, held in state.reservations.items()
+            if 0 < held.expires_ms <= at_ms and rid not in state.expired
         ]
         for rid in sorted(due):
             state.expired.add(rid)

@@ -65,7 +65,8 @@ def note_ids(
     if reservation_id is None:
         return False, False
     mark = settled_digest(tenant, reservation_id)
-    if kind == "reserve":
+    if kind in ("reserve", "extend"):
+        # A reserve or extend arriving after its reservation settled charges nothing.
         return False, ids.seen_before(src, mark)
     ids.remember(src, mark)
     return False, False

@@ -220,6 +220,7 @@ _ID_BYTES = 1_204
 _RES_BYTES = _ID_BYTES + 70
 _LINE_BYTES = 200
 _OFFSET_BYTES = 50
+_SLICE_BYTES = 50
 _FIXED_BYTES = 5 + window_codec.HEADER_SIZE + 200
 
 
@@ -230,6 +231,8 @@ def _may_outgrow(state: KeyState, rec: KeyedRecord, limit: int) -> bool:
     open reservation reported expired, every alert line crossed, one more offset.
     """
     lines = len(state.crossings) + len(state.above) + 2 * (len(rec.thresholds) + 1)
+    # Extended reservations keep one slice per bucket (two integers, brackets, commas).
+    slices = sum(len(h.slices) for h in state.reservations.values())
     bound = (
         _FIXED_BYTES
         + 12 * (len(state.buckets) + 1)
@@ -237,6 +240,7 @@ def _may_outgrow(state: KeyState, rec: KeyedRecord, limit: int) -> bool:
         + _ID_BYTES * (len(state.expired) + len(state.reservations) + 1)
         + _LINE_BYTES * lines
         + _OFFSET_BYTES * (len(state.offsets) + 1)
+        + _SLICE_BYTES * (slices + 1)
     )
     return bound > limit
 
@@ -373,7 +377,7 @@ class _Split:
                 due.append((target.key, plan, self._amount(plan, event)))
             except SpendgateError as exc:
                 self.fold.refuse(f"policy {plan.policy.id}: {exc}", rec.value, origin)
-        settled = settled and event.kind == "reserve"
+        settled = settled and event.kind in ("reserve", "extend")
         for key, plan, amt in due:
             if plan.local:
                 self.fold.account(

@@ -13,9 +13,12 @@ Clock: event time only. A key's clock is the latest ``occurred_at`` it has seen
 (``high_ms``): it decides what is too late, what is pruned, and when a reservation counts
 as expired. No wall clock is read, so a replay of the same records reproduces the same
 state and the same alerts. A reservation's estimate sits in the bucket of its
-``occurred_at`` from its ``reserve`` until its ``commit`` replaces it or its ``release``
-frees it; expiry changes no amount (the estimate simply stays charged), so windows do not
-depend on when expiry is noticed.
+``occurred_at`` from its ``reserve``, each ``extend`` in the bucket of its own
+``occurred_at``, until its ``commit`` settles them (``schemas.windows.settle``: the actual
+fills the slices oldest first where they stand, any overage lands at the commit's instant)
+or its ``release`` frees them; expiry changes no amount (the estimate simply stays
+charged), so windows do not depend on when expiry is noticed. A reservation whose every
+slice left the window is forgotten; a commit of it then charges in full at its instant.
 
 Table value format (``KeyState.to_bytes``), version 2::
 
@@ -30,20 +33,43 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
 from schemas import window_codec, windows
-from schemas.events import ReleaseEvent, ReserveEvent, UsageEvent
+from schemas.events import ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
 from schemas.matching import BudgetTarget
 from schemas.prices import PriceCatalog
 from schemas.types import Boundary
 from schemas.units import amount
 from schemas.windows import WindowSpec
 
-Kind = Literal["reserve", "commit", "release", "adjust"]
+Kind = Literal["reserve", "extend", "commit", "release", "adjust"]
 Outcome = Literal["applied", "redelivery", "late_dropped"]
+
+
+class Hold(NamedTuple):
+    """An open reservation as its key holds it.
+
+    Attributes:
+        expires_ms: its ``expires_at`` (0 while only extends of it were seen).
+        slices: what it charged so far, ``(ms, amount)`` oldest first: the estimate at its
+            admission instant, each extend at its instant (one slice per bucket).
+        aged: what its slices that left every window held (still reserved, refunds nothing).
+        estimate: the reserve's estimate (for the overage alert; 0 until the reserve is seen).
+    """
+
+    expires_ms: int
+    slices: tuple[tuple[int, int], ...]
+    aged: int = 0
+    estimate: int = 0
+
+    @property
+    def reserved(self) -> int:
+        """Everything reserved: the estimate and every extend."""
+        return self.aged + sum(a for _, a in self.slices)
+
 
 #: The table value format written by :meth:`KeyState.to_bytes`.
 STATE_VERSION = 2
@@ -109,8 +135,8 @@ class KeyState:
     """The state of one budget key: buckets (start ms -> amount) and what the window needs."""
 
     buckets: dict[int, int] = field(default_factory=dict)
-    #: reservation id -> (occurred_ms, estimate, expires_ms) of reservations still open.
-    reservations: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: reservation id -> what it holds, of reservations still open.
+    reservations: dict[str, Hold] = field(default_factory=dict)
     #: The latest event time seen on this key: the key's clock (see module docstring).
     high_ms: int = 0
     #: The bucket width the buckets are kept in (0: none yet) and the policy's window.
@@ -141,7 +167,7 @@ class KeyState:
         if body is None:
             body = window_codec.encode(self.buckets, self.bucket_ms) if self.bucket_ms else b""
         rest = {
-            "res": {k: list(v) for k, v in self.reservations.items()},
+            "res": {k: _hold_json(v) for k, v in self.reservations.items()},
             "hwm": self.high_ms,
             "bw": self.bucket_ms,
             "ww": self.window_ms,
@@ -172,7 +198,7 @@ class KeyState:
         body, rest = raw[5 : 5 + n], orjson.loads(raw[5 + n :])
         return cls(
             buckets=dict(window_codec.decode(body).buckets) if n else {},
-            reservations={k: (v[0], v[1], v[2]) for k, v in rest["res"].items()},
+            reservations={k: _hold_of(v) for k, v in rest["res"].items()},
             high_ms=rest["hwm"],
             bucket_ms=rest["bw"],
             window_ms=rest["ww"],
@@ -186,7 +212,7 @@ class KeyState:
     def _from_v1(cls, raw: dict[str, Any]) -> KeyState:
         return cls(
             buckets={int(k): int(v) for k, v in raw["b"].items()},
-            reservations={k: (v[0], v[1], v[2]) for k, v in raw["res"].items()},
+            reservations={k: _hold_of(v) for k, v in raw["res"].items()},
             high_ms=int(raw["hwm"]),
             bucket_ms=int(raw.get("bw", 0)),
             window_ms=int(raw.get("ww", 0)),
@@ -196,15 +222,33 @@ class KeyState:
         )
 
 
+def _hold_json(hold: Hold) -> list[Any]:
+    # Format 2 wrote [occurred_ms, estimate, expires_ms]; a reservation that is one slice
+    # still does (readable by older workers), an extended one adds its slices and aged part.
+    if len(hold.slices) == 1 and not hold.aged and hold.slices[0][1] == hold.estimate:
+        ms, est = hold.slices[0]
+        return [ms, est, hold.expires_ms]
+    return [0, hold.estimate, hold.expires_ms, [list(x) for x in hold.slices], hold.aged]
+
+
+def _hold_of(raw: list[Any]) -> Hold:
+    if len(raw) == 3:
+        return Hold(raw[2], ((raw[0], raw[1]),), 0, raw[1])
+    return Hold(raw[2], tuple((ms, a) for ms, a in raw[3]), raw[4], raw[1])
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
     """What applying one record did: the outcome, the buckets it touched, whether old
-    buckets were pruned, and the reservation whose pending entry it absorbs."""
+    buckets were pruned, the pending entry it absorbs (a reservation id, or an extend's
+    event id), and for a commit above its reservation the overage and the reservation as
+    it stood (``overage``: ``(estimate, reserved, actual)``)."""
 
     outcome: Outcome
     touched: tuple[int, ...] = ()
     pruned: bool = False
     absorbed: str | None = None
+    overage: tuple[int, int, int] | None = None
 
     @property
     def buckets_changed(self) -> bool:
@@ -227,7 +271,7 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
     A record whose source position is at or below the key's offset for that partition
     was applied before (a redelivery) and changes nothing.
     """
-    absorbed = rec.reservation_id if rec.kind == "reserve" else None
+    absorbed = _absorbs(rec)
     if rec.src_offset <= state.offsets.get(rec.src_partition, -1):
         return Change("redelivery", absorbed=absorbed)
     state.offsets[rec.src_partition] = rec.src_offset
@@ -238,21 +282,22 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
         return Change("late_dropped", pruned=rebucketed, absorbed=absorbed)
     touched: list[int] = []
     rid = rec.reservation_id
-    if rec.kind == "reserve" and rid is not None:
+    overage: tuple[int, int, int] | None = None
+    if rec.kind in ("reserve", "extend") and rid is not None:
         if not rec.settled:
             _charge(spec, state, rec.occurred_ms, rec.amount, touched)
-            state.reservations[rid] = (
-                rec.occurred_ms,
-                rec.amount,
-                rec.expires_ms or rec.occurred_ms,
-            )
+            _hold(spec, state, rid, rec)
     elif rec.kind in ("commit", "release") and rid is not None:
         held = state.reservations.pop(rid, None)
         state.expired.discard(rid)
         actual = rec.amount if rec.kind == "commit" else 0
         if held is not None:
-            # The actual usage replaces the estimate in the reservation's own bucket.
-            _charge(spec, state, held[0], actual - held[1], touched)
+            # The actual fills the reservation where it stands; an overage lands now.
+            charges, over = windows.settle(held.slices, actual, rec.occurred_ms, held.aged)
+            for ms, delta in charges:
+                _charge(spec, state, ms, delta, touched)
+            if over:
+                overage = (held.estimate, held.reserved, actual)
         else:
             _charge(spec, state, rec.occurred_ms, actual, touched)
     else:
@@ -263,7 +308,33 @@ def apply(state: KeyState, rec: KeyedRecord) -> Change:
         state.high_ms = rec.occurred_ms
         pruned = _prune(spec, state)
     state.high_ms = max(state.high_ms, rec.occurred_ms)
-    return Change("applied", tuple(touched), pruned or rebucketed, absorbed)
+    return Change("applied", tuple(touched), pruned or rebucketed, absorbed, overage)
+
+
+def _absorbs(rec: KeyedRecord) -> str | None:
+    """The pending entry (in Redis) a record's window accounts for, if any: a reserve's
+    reservation id, an extend's event id (``schemas.events.extend_event_id``)."""
+    if rec.kind == "reserve":
+        return rec.reservation_id
+    if rec.kind == "extend":
+        return rec.event_id
+    return None
+
+
+def _hold(spec: WindowSpec, state: KeyState, rid: str, rec: KeyedRecord) -> None:
+    """Add a reserve's estimate or an extend's amount to its reservation's slices.
+
+    Slices are kept one per bucket, at the bucket's last millisecond (where a rebucket
+    moves a bucket's amount), so a reservation's size is bounded by its window.
+    """
+    held = state.reservations.get(rid) or Hold(0, ())
+    at = spec.bucket_of(rec.occurred_ms) + spec.bucket_ms - 1
+    slices = dict(held.slices)
+    slices[at] = slices.get(at, 0) + rec.amount
+    expires_ms, estimate = held.expires_ms, held.estimate
+    if rec.kind == "reserve":
+        expires_ms, estimate = rec.expires_ms or rec.occurred_ms, rec.amount
+    state.reservations[rid] = Hold(expires_ms, tuple(sorted(slices.items())), held.aged, estimate)
 
 
 def _rebucket(state: KeyState, bucket_ms: int) -> bool:
@@ -283,9 +354,16 @@ def _rebucket(state: KeyState, bucket_ms: int) -> bool:
 def _prune(spec: WindowSpec, state: KeyState) -> bool:
     dropped = windows.prune(spec, state.buckets, state.high_ms)
     live = spec.first_live_bucket(state.high_ms)
-    state.reservations = {
-        k: v for k, v in state.reservations.items() if spec.bucket_of(v[0]) >= live
-    }
+    kept: dict[str, Hold] = {}
+    for rid, held in state.reservations.items():
+        if spec.bucket_of(held.slices[-1][0]) < live:
+            continue  # every slice left the window: forgotten
+        if spec.bucket_of(held.slices[0][0]) < live:
+            gone = [a for ms, a in held.slices if spec.bucket_of(ms) < live]
+            left = tuple(x for x in held.slices if spec.bucket_of(x[0]) >= live)
+            held = held._replace(slices=left, aged=held.aged + sum(gone))
+        kept[rid] = held
+    state.reservations = kept
     state.expired &= state.reservations.keys()
     return dropped > 0
 
@@ -336,5 +414,5 @@ def keyed_record(
         thresholds=tuple(policy.alerts),
         reservation_id=getattr(event, "reservation_id", None),
         expires_ms=event.expires_ms if isinstance(event, ReserveEvent) else None,
-        settled=settled and isinstance(event, ReserveEvent),
+        settled=settled and isinstance(event, ReserveEvent | ExtendEvent),
     )

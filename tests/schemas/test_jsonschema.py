@@ -52,4 +52,4 @@ class TestExport:
     def test_the_event_schema_is_a_union_discriminated_on_kind(self) -> None:
         schema = json.loads(rendered()["usage-event.json"])
         assert schema["discriminator"]["propertyName"] == "kind"
-        assert len(schema["oneOf"]) == 4
+        assert len(schema["oneOf"]) == 5

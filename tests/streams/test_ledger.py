@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from schemas import window_codec
-from streams.ledger import KeyedRecord, KeyState, apply
+from streams.ledger import Hold, KeyedRecord, KeyState, apply
 
 OFFSETS = itertools.count(1)
 
@@ -103,7 +103,7 @@ class TestStateFormat:
         }
         state = KeyState.from_bytes(orjson.dumps(v1))
         assert state.buckets == {100_000: 20, 95_000: -3}
-        assert state.reservations == {"x": (100_000, 50, 200_000)}
+        assert state.reservations == {"x": Hold(200_000, ((100_000, 50),), 0, 50)}
         assert (state.high_ms, state.bucket_ms, state.window_ms) == (100_000, BUCKET, WINDOW)
         assert state.crossings == {"t0.5": 2} and state.above == {"t0.5"}
         assert state.offsets == {}
