@@ -316,6 +316,7 @@ def create_app(
         api_key: QueryValue = None,
         user: QueryValue = None,
         model: QueryValue = None,
+        pool: QueryValue = None,
         env: QueryValue = None,
     ) -> BudgetList:
         fields: dict[str, Any] = {}

@@ -53,10 +53,12 @@ __all__ = [
     "KeyState",
     "Outcome",
     "Plan",
+    "PlanKind",
     "Planner",
     "PolicyTerms",
     "State",
     "UnvouchedKeys",
+    "alternative_of",
     "answer_of",
     "build_plans",
     "cap_terms",
@@ -74,7 +76,9 @@ Outcome = Literal["reject", "allow", "cap", "observe_reject", "unvouched"]
 State = Literal["vouched", "stale", "missing"]
 #: Printable ASCII kept as is in the ``Spendgate-Model`` header; the rest is %-encoded.
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
-_ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2}
+#: The script's ``on_exceed`` codes: downgrade and route are both "try the alternative";
+#: delay refuses in the script (the waiting is the caller's, see ``admission.delay``).
+_ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2, "route": 2, "delay": 0}
 _FAILURE = {"closed": 0, "open": 1, "degraded": 2}
 
 
@@ -150,12 +154,33 @@ class Charge:
     terms: PolicyTerms | None = field(default=None, compare=False)
 
 
+#: What a plan is: the request as sent, or an alternative (model or pool replaced).
+PlanKind = Literal["asked", "downgrade", "route"]
+#: The subject field each alternative replaces, and the policy field naming the value.
+_ALTERNATIVES: dict[str, tuple[PlanKind, str]] = {
+    "downgrade": ("downgrade", "model"),
+    "route": ("route", "pool"),
+}
+
+
+def alternative_of(policy: Policy) -> tuple[PlanKind, str, str] | None:
+    """``(kind, subject field, value)`` of the alternative ``policy`` offers, or None."""
+    found = _ALTERNATIVES.get(policy.on_exceed)
+    if found is None or policy.mode != "enforce":
+        return None
+    kind, field_name = found
+    value = policy.downgrade_to if kind == "downgrade" else policy.route_to
+    return None if value is None else (kind, field_name, value)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The request for one subject (the original, or with a downgraded model)."""
+    """The request for one subject: as sent (``asked``), or an alternative with the model
+    (``downgrade``) or the pool (``route``) replaced."""
 
     subject: Subject
     charges: tuple[Charge, ...]
+    kind: PlanKind = "asked"
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +305,13 @@ class Planner:
         return out
 
     def plans(self, subject: Subject, estimate: Usage) -> list[Plan]:
-        """Plan 0 is the request as sent; one more plan per distinct downgrade target.
+        """Plan 0 is the request as sent; one more plan per distinct alternative (a
+        downgrade's model or a route's pool), in the order of the policies offering them.
+
+        Downgrade and route are one mechanism: an alternative is the same request for
+        the subject with one field replaced, checked against the policies matching
+        *that* subject, in the same script, tried in order when plan 0 is refused only
+        by policies offering alternatives, never chained.
 
         Raises:
             BadRequest: a matching policy groups by a field the subject lacks.
@@ -295,23 +326,23 @@ class Planner:
         except UnitError as exc:
             raise Unprocessable(str(exc), "estimate") from exc
         plans: list[Plan] = []
-        alt_of: dict[str, int] = {}
+        alt_of: dict[tuple[str, str], int] = {}
         charges = []
         for charge in first:
-            policy = charge.target.policy
-            target = policy.downgrade_to
-            if policy.mode == "enforce" and target is not None and target != subject.model:
-                if target not in alt_of:
-                    alt_subject = subject.model_copy(update={"model": target})
+            found = alternative_of(charge.target.policy)
+            if found is not None and subject.value(found[1]) != found[2]:
+                kind, name, value = found
+                if (name, value) not in alt_of:
+                    alt_subject = subject.model_copy(update={name: value})
                     try:
                         alt = self.charges(alt_subject, estimate)
                     except (MissingGroupByField, UnitError) as exc:
-                        logger.debug("no downgrade to %s: %s", target, exc)
-                        alt_of[target] = 0
+                        logger.debug("no %s to %s: %s", kind, value, exc)
+                        alt_of[name, value] = 0
                     else:
-                        alt_of[target] = len(plans) + 1
-                        plans.append(Plan(alt_subject, tuple(alt)))
-                charge = dataclasses.replace(charge, alt=alt_of[target])
+                        alt_of[name, value] = len(plans) + 1
+                        plans.append(Plan(alt_subject, tuple(alt), kind))
+                charge = dataclasses.replace(charge, alt=alt_of[name, value])
             charges.append(charge)
         return [Plan(subject, tuple(charges)), *plans]
 
@@ -397,6 +428,7 @@ def _decision_body(
     *,
     reservation_id: str | None = None,
     model: str | None = None,
+    route_to: str | None = None,
     max_output_tokens: int | None = None,
     violated: list[str] | None = None,
     retry_after_seconds: int | None = None,
@@ -410,6 +442,8 @@ def _decision_body(
         body["reservation_id"] = reservation_id
     if model is not None:
         body["model"] = model
+    if route_to is not None:
+        body["route_to"] = route_to
     if max_output_tokens is not None:
         body["max_output_tokens"] = max_output_tokens
     body["violated"] = violated if violated is not None else []
@@ -432,6 +466,9 @@ def _answer(body: dict[str, Any], status: int, extra: dict[str, str] | None = No
         # Header values are Latin-1 on the wire: a model name outside it is sent
         # percent-encoded (RFC 3986 style); the body carries it as sent.
         headers["Spendgate-Model"] = quote(model, safe=_HEADER_SAFE)
+    route_to = body.get("route_to")
+    if route_to is not None:
+        headers["Spendgate-Route"] = quote(route_to, safe=_HEADER_SAFE)
     retry = body.get("retry_after_seconds")
     if retry is not None and status == 429:
         headers["Retry-After"] = str(retry)
@@ -465,12 +502,16 @@ def answer_of(result: AdmitResult, plans: Sequence[Plan], subject: Subject) -> A
         else max(1, _seconds(result.retry_after_ms))
     )
     label: str = result.outcome
+    route_to = None
     if result.outcome != "reject" and result.plan > 0:
-        label = "downgrade"
+        label = plan.kind if plan is not None and plan.kind != "asked" else "downgrade"
+        if plan is not None and plan.kind == "route":
+            route_to = plan.subject.pool
     body = _decision_body(
         label,
         reservation_id=None if result.outcome == "reject" else result.reservation_id,
         model=model,
+        route_to=route_to,
         max_output_tokens=result.max_output_tokens,
         violated=violated,
         retry_after_seconds=retry_s,

@@ -73,7 +73,7 @@ class AdmitHeader:
 class AdmitTarget:
     """The ARGV entries of one budget key of a plan in :data:`ADMIT`, in ARGV order.
 
-    ``on_exceed``: 0 reject, 1 cap, 2 downgrade; ``downgrade_plan``: the 1-based index of
+    ``on_exceed``: 0 reject, 1 cap, 2 downgrade or route; ``downgrade_plan``: the 1-based index of
     the plan to try when this key refuses (0 none); the amount at ``o`` output tokens is
     ``ceil((cap_s + o * cap_r) / cap_d)``; ``deps``: the 1-based indexes into the header's
     ``marks`` this key's window depends on; ``failure``: the policy's failure mode, 0
@@ -199,10 +199,11 @@ ADMIT_REPLY_PER_TARGET = 6
 # Check every matching budget key and reserve on all of them, or on none.
 #
 # A request is described by one or more *plans*: plan 1 is the subject as sent; plans
-# 2.. are the same request with the model replaced by a policy's ``downgrade_to`` (its own
-# matching policies and amounts). A plan is tried as a whole; a downgrade plan is only
-# tried when every refusal in plan 1 comes from downgrade policies, and never downgrades
-# again.
+# 2.. are alternatives: the same request with the model replaced by a policy's
+# ``downgrade_to`` or the pool by its ``route_to`` (their own matching policies and
+# amounts). A plan is tried as a whole; alternatives are only tried when every refusal in
+# plan 1 comes from policies offering one, in the order those keys come in plan 1 (the
+# first that decides wins), and an alternative never falls back on another of its own.
 #
 # KEYS[1]              idempotency record of this request_id (the stored answer)
 # KEYS[2]              the reservation record (hash: subject, plan, settled, and the
@@ -227,9 +228,10 @@ ADMIT_REPLY_PER_TARGET = 6
 # per plan: subject JSON (stored in the record), n targets, then per target 15 entries:
 #   limit, window_ms, bucket_ms, boundary, amount, reservation ttl ms (only the reserve
 #   event's expires_at uses it: a pending amount ages out with its bucket, expired or
-#   not), observe (0/1), on_exceed (0 reject, 1 cap, 2 downgrade), downgrade plan index
-#   (0 none), cap_s, cap_r, cap_d: the amount at o output tokens is
-#   ceil((cap_s + o*cap_r) / cap_d) (cap_r = 0: capping output does not lower this amount),
+#   not), observe (0/1), on_exceed (0 reject, 1 cap, 2 try the alternative:
+#   downgrade or route), alternative plan index (0 none), cap_s, cap_r, cap_d: the
+#   amount at o output tokens is ceil((cap_s + o*cap_r) / cap_d) (cap_r = 0: capping
+#   output does not lower this amount),
 #   deps (comma-separated indexes of the marks the window depends on), failure (0 closed,
 #   1 open, 2 degraded), burst ("rate:per_ms:capacity" or "" for none)
 # Returns {replayed (0/1), outcome (0 reject, 1 allow, 2 cap, 3 observe_reject,
@@ -446,8 +448,8 @@ local function cap_output(plan)
   return best
 end
 
--- Returns outcome (0 reject, 1 allow, 2 cap, 3 observe_reject, 4 try downgrade,
--- 5 unvouched), value (max output for cap, downgrade plan index for 4).
+-- Returns outcome (0 reject, 1 allow, 2 cap, 3 observe_reject, 4 try the alternatives,
+-- 5 unvouched), value (max output for cap, the alternative plan indexes in order for 4).
 local function evaluate(plan, may_downgrade)
   load(plan)
   if not read_only then
@@ -456,7 +458,7 @@ local function evaluate(plan, may_downgrade)
       if x.state > 0 and not x.observe and x.failure ~= 1 then return 5, -1 end
     end
   end
-  local hard, dg, capv, obs, alt = false, false, false, false, nil
+  local hard, capv, obs, alts, seen = false, false, false, {}, {}
   for j = 1, plan.n do
     local x = plan.targets[j]
     if x.violated then
@@ -465,15 +467,17 @@ local function evaluate(plan, may_downgrade)
       elseif x.on_exceed == 1 then
         capv = true
       elseif x.on_exceed == 2 and may_downgrade and x.alt > 0 then
-        dg = true
-        if alt == nil then alt = x.alt end
+        if not seen[x.alt] then
+          seen[x.alt] = true
+          alts[#alts + 1] = x.alt
+        end
       else
         hard = true
       end
     end
   end
   if hard then return 0, -1 end
-  if dg then return 4, alt end
+  if #alts > 0 then return 4, alts end
   if capv then
     local o = cap_output(plan)
     if o < 0 then return 0, -1 end
@@ -490,14 +494,14 @@ end
 
 local chosen, outcome, value = 1, evaluate(plans[1], not read_only)
 if outcome == 4 then
-  local alt_outcome, alt_value = evaluate(plans[value], false)
-  if alt_outcome == 5 then
-    chosen, outcome, value = value, 5, -1
-  elseif alt_outcome ~= 0 then
-    chosen, outcome = value, alt_outcome
-    value = alt_value
-  else
-    outcome, value = 0, -1
+  local alts = value
+  outcome, value = 0, -1
+  for i = 1, #alts do
+    local alt_outcome, alt_value = evaluate(plans[alts[i]], false)
+    if alt_outcome ~= 0 then
+      chosen, outcome, value = alts[i], alt_outcome, alt_value
+      break
+    end
   end
 end
 local plan = plans[chosen]

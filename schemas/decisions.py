@@ -67,9 +67,11 @@ class Decision(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    decision: Literal["allow", "cap", "downgrade", "observe_reject", "reject"]
+    decision: Literal["allow", "cap", "downgrade", "route", "observe_reject", "reject"]
     reservation_id: str | None = None
     model: str | None = None
+    #: With ``route``: the pool the request must run on (the reservation is held there).
+    route_to: str | None = None
     max_output_tokens: Amount | None = None
     violated: list[str] = Field(default_factory=list)
     retry_after_seconds: int | None = None

@@ -51,6 +51,8 @@ class Subject(_Frozen):
     api_key: SubjectValue | None = None
     user: SubjectValue | None = None
     model: SubjectValue | None = None
+    #: The provider, region or cluster serving the request (what ``route`` changes).
+    pool: SubjectValue | None = None
     env: SubjectValue | None = None
     labels: dict[SubjectValue, SubjectValue] = Field(default_factory=dict, max_length=32)
 

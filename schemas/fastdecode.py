@@ -52,6 +52,7 @@ class FastSubject(Struct, frozen=True, forbid_unknown_fields=True):
     api_key: _Ident | None = None
     user: _Ident | None = None
     model: _Ident | None = None
+    pool: _Ident | None = None
     env: _Ident | None = None
     labels: Annotated[dict[_Ident, _Ident], Meta(max_length=32)] = msgspec.field(
         default_factory=dict

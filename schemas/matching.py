@@ -15,7 +15,7 @@ from schemas.policies import Policy
 GLOB_CHARS = frozenset("*?[")
 #: The order in which an exact ``match`` field is chosen to index a policy by: the fields
 #: most likely to be unique to it first.
-_INDEX_ORDER = ("tenant", "api_key", "user", "project", "team", "env", "model")
+_INDEX_ORDER = ("tenant", "api_key", "user", "project", "team", "env", "model", "pool")
 
 
 class SubjectView(Protocol):

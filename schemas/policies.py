@@ -30,6 +30,8 @@ _MIN_WINDOW_MS = 30_000
 MAX_WINDOW_MS = 31 * 86_400_000
 _MIN_TTL_MS = 1_000
 _MAX_TTL_MS = 86_400_000
+_MAX_DELAY_MS = 60_000
+_DELAYING: frozenset[str] = frozenset({"delay"})
 _GLOB_CHARS = frozenset("*?[")
 
 #: A fraction of ``limit`` in (0, 1].
@@ -108,6 +110,8 @@ class Policy(BaseModel):
     mode: Mode = "enforce"
     on_exceed: OnExceed = "reject"
     downgrade_to: SubjectValue | None = None
+    route_to: SubjectValue | None = None
+    max_delay: Duration | None = None
     burst: Burst | None = None
     alerts: list[Threshold] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
     failure: FailureMode = "closed"
@@ -173,6 +177,25 @@ class Policy(BaseModel):
             raise ValueError(f"downgrade_to {value!r} must name one model, not a glob")
         return value
 
+    @field_validator("route_to")
+    @classmethod
+    def _concrete_pool(cls, value: str | None) -> str | None:
+        if value is not None and _GLOB_CHARS.intersection(value):
+            raise ValueError(f"route_to {value!r} must name one pool, not a glob")
+        return value
+
+    @field_validator("max_delay")
+    @classmethod
+    def _delay_range(cls, value: str | None) -> str | None:
+        if value is not None and parse_duration_ms(value) > _MAX_DELAY_MS:
+            raise ValueError(f"max_delay {value} must be at most 60s (a request is held open)")
+        return value
+
+    @property
+    def max_delay_ms(self) -> int:
+        """How long ``delay`` holds a request (default 5 s)."""
+        return parse_duration_ms(self.max_delay) if self.max_delay is not None else 5_000
+
     @model_validator(mode="after")
     def _check(self) -> Self:
         window_ms, bucket_ms = self.window_ms, self.bucket_ms
@@ -180,6 +203,10 @@ class Policy(BaseModel):
             raise ValueError(f"bucket: {self.bucket} must divide window {self.window}")
         if (self.on_exceed == "downgrade") != (self.downgrade_to is not None):
             raise ValueError("downgrade_to: required exactly when on_exceed is 'downgrade'")
+        if (self.on_exceed == "route") != (self.route_to is not None):
+            raise ValueError("route_to: required exactly when on_exceed is 'route'")
+        if self.max_delay is not None and self.on_exceed not in _DELAYING:
+            raise ValueError("max_delay: only with on_exceed 'delay'")
         return self
 
 

@@ -24,12 +24,21 @@ Unit = Literal[
 ]
 Boundary = Literal["include", "exclude", "prorate"]
 Mode = Literal["enforce", "observe"]
-OnExceed = Literal["reject", "cap", "downgrade"]
+OnExceed = Literal["reject", "cap", "downgrade", "route"]
 FailureMode = Literal["closed", "open", "degraded"]
 Unpriced = Literal["reject", "charge_default"]
-SubjectField = Literal["tenant", "team", "project", "api_key", "user", "model", "env"]
+SubjectField = Literal["tenant", "team", "project", "api_key", "user", "model", "pool", "env"]
 
-SUBJECT_FIELDS: tuple[str, ...] = ("tenant", "team", "project", "api_key", "user", "model", "env")
+SUBJECT_FIELDS: tuple[str, ...] = (
+    "tenant",
+    "team",
+    "project",
+    "api_key",
+    "user",
+    "model",
+    "pool",
+    "env",
+)
 LABEL_PREFIX = "labels."
 
 _DURATION_PATTERN = r"^([0-9]+)(ms|s|m|h|d)$"
@@ -96,7 +105,9 @@ SubjectFieldName = Annotated[
     Field(
         min_length=1,
         max_length=207,
-        json_schema_extra={"pattern": r"^(tenant|team|project|api_key|user|model|env|labels\..+)$"},
+        json_schema_extra={
+            "pattern": r"^(tenant|team|project|api_key|user|model|pool|env|labels\..+)$"
+        },
     ),
     AfterValidator(_subject_field),
 ]

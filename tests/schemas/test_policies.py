@@ -112,6 +112,15 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"burst": {"rate": 1, "capacity": 2**52, "per": "1s"}}, "burst"),
     ({"burst": {"rate": 1, "capacity": 10, "size": 3}}, "burst.size"),
     ({"burst": 10}, "burst"),
+    ({"on_exceed": "route"}, "route_to"),
+    ({"route_to": "gpu-west"}, "route_to"),
+    ({"on_exceed": "route", "route_to": "gpu-*"}, "route_to"),
+    ({"on_exceed": "route", "route_to": ""}, "route_to"),
+    ({"on_exceed": "wait"}, "on_exceed"),
+    ({"max_delay": "2s"}, "max_delay"),
+    ({"on_exceed": "delay", "max_delay": "2m"}, "max_delay"),
+    ({"on_exceed": "delay", "max_delay": "soon"}, "max_delay"),
+    ({"on_exceed": "delay", "max_delay": 5}, "max_delay"),
 ]
 
 VALID_POLICIES: list[dict[str, Any]] = [
@@ -157,6 +166,15 @@ VALID_POLICIES: list[dict[str, Any]] = [
         "unit": "requests",
         "limit": 100,
         "burst": {"rate": 5, "per": "1s", "capacity": 20},
+    },
+    {
+        "id": "routed",
+        "unit": "requests",
+        "limit": 5,
+        "match": {"pool": "gpu-east"},
+        "group_by": ["pool"],
+        "on_exceed": "route",
+        "route_to": "gpu-west",
     },
     {
         "id": "burst-hourly",
