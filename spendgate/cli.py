@@ -129,6 +129,21 @@ def admission(
     serve(AdmissionSettings(), workers=workers)
 
 
+@app.command("dashboard")
+def dashboard(json_logs: JsonLogs = False) -> None:
+    """Serve the read-only operator dashboard (default http://127.0.0.1:8788/).
+
+    Budgets nearest their limits, a key's window over time, refusals, decisions, worker
+    lag, dead letters and the latest alerts, live. Sign in with a token of
+    SPENDGATE_AUTH_TOKENS_FILE ('operator' sees every tenant).
+    """
+    from dashboard.server import serve
+    from dashboard.settings import DashboardSettings
+
+    _configure_logging(json_logs)
+    serve(DashboardSettings())
+
+
 @policy.command("apply")
 def policy_apply(
     file: Annotated[

@@ -29,6 +29,7 @@ COMMANDS = [
     ["policy", "list"],
     ["policy", "delete"],
     ["demo"],
+    ["dashboard"],
 ]
 
 

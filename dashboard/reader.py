@@ -1,0 +1,196 @@
+"""Read budgets for the dashboard from Redis: the utilization index first, windows per page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from dashboard.views import KeyRow, key_row, tenant_of, window_series
+from schemas.matching import parse_key
+from schemas.policies import Policy
+from schemas.redis_keys import (
+    pending_window_key,
+    policies_key,
+    policies_version_key,
+    utilization_key,
+    window_key,
+)
+
+Sort = Literal["share", "key", "policy", "tenant"]
+#: Index members fetched per call while filtering (names and scores only, no windows).
+SCAN_CHUNK = 5_000
+#: Rows decoded per page at most.
+MAX_PAGE = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of budget rows and how many keys match the filter."""
+
+    rows: list[KeyRow]
+    matched: int
+    offset: int
+
+
+class BudgetReader:
+    """The dashboard's reads of what the worker and admission keep in Redis."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._member_prefix = window_key(prefix, "")
+        self._policies: tuple[object, dict[str, Policy]] = (b"-", {})
+
+    async def now_ms(self) -> int:
+        """The Redis clock (what admission decides on), in ms."""
+        seconds, micros = await self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def policies(self) -> dict[str, Policy]:
+        """The policies in force, re-read only when their version moved."""
+        version = await self.client.get(policies_version_key(self.prefix))
+        if version != self._policies[0]:
+            raw = await self.client.hgetall(policies_key(self.prefix))
+            found: dict[str, Policy] = {}
+            for pid, value in raw.items():
+                try:
+                    found[_text(pid)] = Policy.model_validate_json(value)
+                except ValidationError:
+                    continue
+            self._policies = (version, found)
+        return self._policies[1]
+
+    async def page(
+        self,
+        may_read: Callable[[str | None], bool],
+        *,
+        tenant: str | None = None,
+        policy: str | None = None,
+        sort: Sort = "share",
+        descending: bool = True,
+        offset: int = 0,
+        limit: int = 50,
+    ) -> Page:
+        """The budgets a reader may see, filtered, sorted and paged.
+
+        Sorted by share (used + reserved over limit), candidates come from the
+        utilization index in its order and only the page's windows are decoded; the
+        page itself is ordered by the exact share (the index holds each window's share
+        when it was last written). Filters read only the index's member names.
+        """
+        limit = max(1, min(limit, MAX_PAGE))
+        policies = await self.policies()
+        index = utilization_key(self.prefix)
+        unfiltered = tenant is None and policy is None and may_read(None)
+        if sort == "share" and unfiltered:
+            matched = int(await self.client.zcard(index))
+            rng = self.client.zrevrange if descending else self.client.zrange
+            members = [m for m in await rng(index, offset, offset + limit - 1)]
+            keys = [self._key(m) for m in members]
+        else:
+            names = await self._matching(policies, may_read, tenant, policy, descending)
+            if sort != "share":
+                names.sort(key=lambda k: _sort_key(k, sort, policies), reverse=descending)
+            matched = len(names)
+            keys = names[offset : offset + limit]
+        rows = await self._rows(keys, policies)
+        if sort == "share":
+            rows.sort(key=lambda r: r.share, reverse=descending)
+        return Page(rows, matched, offset)
+
+    async def _matching(
+        self,
+        policies: dict[str, Policy],
+        may_read: Callable[[str | None], bool],
+        tenant: str | None,
+        policy: str | None,
+        descending: bool,
+    ) -> list[str]:
+        """Every indexed key passing the filters, in index order (names only)."""
+        index = utilization_key(self.prefix)
+        rng = self.client.zrevrange if descending else self.client.zrange
+        out: list[str] = []
+        start = 0
+        while True:
+            chunk = await rng(index, start, start + SCAN_CHUNK - 1)
+            for member in chunk:
+                key = self._key(member)
+                pid, fields = parse_key(key)
+                p = policies.get(pid)
+                if p is None or (policy is not None and pid != policy):
+                    continue
+                owner = tenant_of(p, fields)
+                if not may_read(owner) or (tenant is not None and owner != tenant):
+                    continue
+                out.append(key)
+            if len(chunk) < SCAN_CHUNK:
+                return out
+            start += SCAN_CHUNK
+
+    async def _rows(self, keys: list[str], policies: dict[str, Policy]) -> list[KeyRow]:
+        """Decode the windows of ``keys``; a key whose window expired leaves the index."""
+        if not keys:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            for key in keys:
+                pipe.get(window_key(self.prefix, key))
+                pipe.hgetall(pending_window_key(self.prefix, key))
+            replies = await pipe.execute()
+        seconds, micros = replies[0]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        rows, gone = [], []
+        for i, key in enumerate(keys):
+            window, pending = replies[1 + 2 * i], replies[2 + 2 * i]
+            p = policies.get(parse_key(key)[0])
+            if p is None:
+                continue
+            if window is None and not pending:
+                gone.append(window_key(self.prefix, key))
+                continue
+            rows.append(key_row(key, p, window, pending, now_ms))
+        if gone:
+            await self.client.zrem(utilization_key(self.prefix), *gone)
+        return rows
+
+    async def detail(self, key: str) -> tuple[KeyRow, dict[str, Any]] | None:
+        """One key's row and its window over time (``None``: no such key or policy)."""
+        p = (await self.policies()).get(parse_key(key)[0])
+        if p is None:
+            return None
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.get(window_key(self.prefix, key))
+            pipe.hgetall(pending_window_key(self.prefix, key))
+            (seconds, micros), window, pending = await pipe.execute()
+        if window is None and not pending:
+            return None
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return key_row(key, p, window, pending, now_ms), window_series(p, window, pending, now_ms)
+
+    def owner(self, key: str, policies: dict[str, Policy]) -> tuple[bool, str | None]:
+        """Whether ``key``'s policy is in force, and the tenant the key belongs to."""
+        pid, fields = parse_key(key)
+        p = policies.get(pid)
+        return (p is not None, tenant_of(p, fields) if p is not None else None)
+
+    def _key(self, member: object) -> str:
+        return _text(member)[len(self._member_prefix) :]
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _sort_key(key: str, sort: Sort, policies: dict[str, Policy]) -> tuple[str, str]:
+    pid, fields = parse_key(key)
+    if sort == "policy":
+        return (pid, key)
+    if sort == "tenant":
+        p = policies.get(pid)
+        return ((tenant_of(p, fields) if p else None) or "", key)
+    return (key, "")

@@ -1,0 +1,82 @@
+"""Run the dashboard: its Redis client, Kafka feeds and metric scraper around the app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+import uvicorn
+from starlette.applications import Starlette
+
+from admission.auth import Authorizer, load_tokens
+from dashboard.app import create_app
+from dashboard.feeds import Scraper, TopicFeed
+from dashboard.reader import BudgetReader
+from dashboard.settings import DashboardSettings
+from schemas.alerts import Alert
+from schemas.refusals import Refusal
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(settings: DashboardSettings) -> Starlette:
+    """The dashboard app whose lifespan runs the alert and refusal feeds and the scraper."""
+    client = aioredis.Redis.from_url(settings.redis_url)
+    reader = BudgetReader(client, settings.redis_prefix)
+    alerts = TopicFeed(
+        settings.kafka_bootstrap, settings.topic("alerts"), Alert, settings.feed_size
+    )
+    refusals = TopicFeed(
+        settings.kafka_bootstrap, settings.topic("refusals"), Refusal, settings.feed_size
+    )
+    scraper = Scraper(
+        settings.admission_metrics_url, settings.worker_metrics_url, settings.scrape_s
+    )
+    authorizer = Authorizer(
+        load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        if not authorizer.enabled:
+            logger.warning(
+                "DASHBOARD AUTH IS OFF: whoever reaches it sees every tenant "
+                "(set SPENDGATE_AUTH_TOKENS_FILE)"
+            )
+        tasks = [asyncio.create_task(t.run()) for t in (alerts, refusals, scraper)]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await client.aclose()
+
+    return create_app(
+        reader,
+        authorizer,
+        alerts,
+        refusals,
+        scraper,
+        session_ttl_s=settings.session_ttl_s,
+        secure_cookie=settings.secure_cookie,
+        lifespan=lifespan,
+    )
+
+
+def serve(settings: DashboardSettings) -> None:
+    """Serve the dashboard until interrupted."""
+    logger.info("dashboard on http://%s:%d/", settings.dashboard_host, settings.dashboard_port)
+    uvicorn.run(
+        build_app(settings),
+        host=settings.dashboard_host,
+        port=settings.dashboard_port,
+        log_level="warning",
+        access_log=False,
+    )

@@ -1,0 +1,110 @@
+"""The dashboard's numbers from windows and metrics, checked against hand-computed values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from admission.auth import Principal
+from dashboard.app import Sessions
+from dashboard.views import key_row, parse_scrape, rates, tenant_of, window_series
+from schemas import window_codec
+from schemas.policies import Policy
+
+MIN = 60_000
+
+
+def policy(**fields: Any) -> Policy:
+    base = {"id": "p", "unit": "requests", "limit": 10, "window": "1m", "bucket": "10s"}
+    return Policy.model_validate({**base, **fields})
+
+
+class TestTenantOf:
+    def test_group_by_value_then_exact_match_then_none(self) -> None:
+        assert tenant_of(policy(group_by=["tenant"]), {"tenant": "acme"}) == "acme"
+        assert tenant_of(policy(match={"tenant": "acme"}, group_by=["api_key"]), {}) == "acme"
+        assert tenant_of(policy(match={"tenant": "ac*"}, group_by=["api_key"]), {}) is None
+        assert tenant_of(policy(), {}) is None
+
+
+class TestKeyRow:
+    def test_used_reserved_and_retry_after_of_a_full_window(self) -> None:
+        p = policy(group_by=["tenant"])
+        now = 10 * MIN + 5_000  # 5 s into the bucket at 10 min
+        # 4 absorbed in the oldest full bucket (ages out 55 s from now), 5 in the head;
+        # 1 pending (admission's reservation) in the head bucket.
+        window = window_codec.encode({10 * MIN - 50_000: 4, 10 * MIN: 5}, 10_000)
+        pending = {str(10 * MIN + 9_999).encode(): b"1"}
+        row = key_row("p|tenant=acme", p, window, pending, now)
+        assert (row.used, row.reserved, row.limit) == (9, 1, 10)
+        assert row.tenant == "acme" and row.policy == "p" and row.window_seconds == 60
+        assert row.share == pytest.approx(1.0)
+        # Full: one more request fits when the 4 age out, at the end of their bucket +
+        # window: (10 min - 50 s) + 10 s + 60 s = 10 min + 20 s, 15 s from now.
+        assert row.retry_after_seconds == 15
+
+    def test_room_left_means_no_wait(self) -> None:
+        window = window_codec.encode({10 * MIN: 3}, 10_000)
+        row = key_row("p", policy(), window, {}, 10 * MIN + 1)
+        assert (row.used, row.reserved, row.retry_after_seconds) == (3, 0, 0)
+        assert row.tenant is None
+
+    def test_series_covers_the_window_bucket_by_bucket(self) -> None:
+        window = window_codec.encode({10 * MIN - 20_000: 2, 10 * MIN: 3}, 10_000)
+        s = window_series(policy(), window, {str(10 * MIN + 9_999): "1"}, 10 * MIN + 5_000)
+        starts = [b["start_ms"] for b in s["buckets"]]
+        assert starts == [10 * MIN - 50_000 + 10_000 * i for i in range(6)]
+        assert s["buckets"][3]["absorbed"] == 2 and s["buckets"][5]["absorbed"] == 3
+        assert s["buckets"][5]["pending"] == 1
+        assert s["buckets"][-1]["total"] == 6 and s["limit"] == 10
+
+
+ADMISSION = """\
+# HELP spendgate_admission_decisions_total Admission answers by decision.
+# TYPE spendgate_admission_decisions_total counter
+spendgate_admission_decisions_total{decision="allow"} 100.0
+spendgate_admission_decisions_total{decision="reject"} 7.0
+"""
+ADMISSION_LATER = ADMISSION.replace("} 100.0", "} 130.0").replace("} 7.0", "} 11.0")
+WORKER = """\
+# TYPE spendgate_dead_lettered_total counter
+spendgate_dead_lettered_total 2.0
+# TYPE spendgate_processing_lag_seconds histogram
+spendgate_processing_lag_seconds_bucket{le="+Inf"} 10.0
+spendgate_processing_lag_seconds_count 10.0
+spendgate_processing_lag_seconds_sum 1.0
+"""
+WORKER_LATER = WORKER.replace("_count 10.0", "_count 20.0").replace("_sum 1.0", "_sum 4.0")
+
+
+class TestMetrics:
+    def test_rates_between_two_scrapes(self) -> None:
+        first = parse_scrape(100.0, ADMISSION, WORKER)
+        second = parse_scrape(102.0, ADMISSION_LATER, WORKER_LATER)
+        panel = rates(first, second)
+        assert panel["refusals_per_s"] == pytest.approx(2.0)  # 4 more rejects in 2 s
+        assert panel["decisions"]["allow"] == {"total": 130.0, "per_s": pytest.approx(15.0)}
+        assert panel["refused_total"] == 11.0
+        assert panel["worker_lag_s"] == pytest.approx(0.3)  # 3 s over 10 records
+        assert panel["dead_letters"] == 2.0
+
+    def test_a_first_or_missing_scrape_has_no_rates(self) -> None:
+        panel = rates(None, parse_scrape(1.0, None, None))
+        assert panel["refusals_per_s"] is None and panel["decisions"] == {}
+        assert panel["worker_lag_s"] is None and panel["dead_letters"] is None
+
+
+class TestSessions:
+    def test_a_session_lasts_its_ttl_and_ends_on_close(self) -> None:
+        now = [0.0]
+        sessions = Sessions(ttl_s=10, clock=lambda: now[0])
+        who = Principal(frozenset({"a"}))
+        sid = sessions.open(who)
+        assert len(sid) >= 32 and sessions.get(sid) == who
+        assert sessions.get("forged") is None and sessions.get(None) is None
+        now[0] = 10.0
+        assert sessions.get(sid) is None
+        other = sessions.open(who)
+        sessions.close(other)
+        assert sessions.get(other) is None
