@@ -29,7 +29,15 @@ from starlette.types import ASGIApp
 
 from admission.admit import AdmitEndpoint, AdmitService
 from admission.auth import Authorizer, Principal
-from admission.bodies import Accepted, BudgetList, CommitRequest, ErrorBody, ReleaseRequest
+from admission.bodies import (
+    Accepted,
+    BudgetList,
+    CommitRequest,
+    ErrorBody,
+    ExtendAnswer,
+    ExtendRequest,
+    ReleaseRequest,
+)
 from admission.decide import (
     Plan,
     Planner,
@@ -48,6 +56,7 @@ from admission.exceptions import (
     StoreUnavailable,
     UnknownReservation,
 )
+from admission.extend import ExtendService
 from admission.fallback import DegradedLedger
 from admission.metrics import (
     PUBLISH_BUFFER,
@@ -296,6 +305,29 @@ def create_app(
             return await _settle(body.reservation_id, None, who)
         finally:
             SETTLE_LATENCY.observe(time.perf_counter() - started)
+
+    extender = ExtendService(store, publisher, service.planner)
+
+    @api.post(
+        "/extend",
+        response_model=ExtendAnswer,
+        responses={
+            429: {"model": ExtendAnswer, "description": "Nothing grew: a budget refused"},
+            404: {"model": ErrorBody},
+            409: {"model": ErrorBody},
+            **_ERRORS,
+        },
+        summary="Grow an open reservation (a streaming response) on every budget, or on none.",
+        description=(
+            "200 once the reservation grew on every budget it holds and Kafka acknowledged "
+            "the `extend` event; 429 when a budget refused (nothing grew; `budgets` say what "
+            "remains): stop the generation. The same `seq` again returns the first answer "
+            "and grows nothing twice. 503 `outcome_unknown`: retry the same call."
+        ),
+    )
+    async def extend(body: ExtendRequest, who: Principal = Depends(principal)) -> Response:  # noqa: B008
+        answer = await extender.extend(body, who)
+        return JSONResponse(answer.body, answer.status, answer.headers)
 
     @api.get(
         "/budgets",

@@ -32,6 +32,33 @@ class ReleaseRequest(BaseModel):
     reservation_id: Identifier
 
 
+class ExtendRequest(BaseModel):
+    """``POST /v1/extend``: grow an open reservation by ``add`` (a streaming response).
+
+    ``seq`` numbers the extends of one reservation (1, 2, ...): a retried extend with the
+    same ``seq`` is applied once and answered as the first time.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reservation_id: Identifier
+    seq: int = Field(ge=1, le=2**31 - 1)
+    add: Usage
+
+
+class ExtendAnswer(BaseModel):
+    """The answer to an extend: ``allow`` (200, grown on every budget) or ``reject`` (429,
+    nothing grew; ``violated`` names the refusing policies, ``budgets`` what remains)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decision: Literal["allow", "reject"]
+    reservation_id: str
+    seq: int
+    violated: list[str] = Field(default_factory=list)
+    budgets: list[BudgetStatus] = Field(default_factory=list)
+
+
 class Accepted(BaseModel):
     """The answer to a commit or release: the event is queued for the stream processor."""
 

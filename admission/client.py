@@ -18,6 +18,22 @@ bounded (``retries``) and back off exponentially with jitter (``backoff_s`` doub
 to ``max_backoff_s``); a ``Retry-After`` from the service is honoured, capped at
 ``max_backoff_s``. A commit or release answered 503 ``outcome_unknown`` (Kafka did not
 ack in time) is exactly such a retry: it returns once the event is in the log.
+
+Streaming responses reserve a first slice and grow it as tokens flow::
+
+    with client.stream(subject, {"input_tokens": 900, "output_tokens": 200},
+                       step={"output_tokens": 200}) as s:
+        for chunk in model.stream(max_tokens=4000):
+            if not s.report(Usage(input_tokens=900, output_tokens=chunk.total_out)):
+                break  # an extend was refused: stop the generation here
+
+``report`` extends the reservation (``POST /v1/extend``, by at least ``step`` per field that
+needs more) whenever the usage reported passes what is reserved, and answers False once
+an extend is refused (``s.refusal`` says which budgets and what remains); the caller
+stops generating. Leaving the block commits the usage reported (completion, an
+exception, a cancellation, a client that went away: whatever ends the block), or
+releases the reservation when nothing was reported. Extends are retried like commits,
+with the same sequence number, so a retried extend grows the reservation once.
 """
 
 from __future__ import annotations
@@ -41,7 +57,15 @@ from admission.exceptions import (
 from schemas.decisions import Decision
 from schemas.events import Subject, Usage
 
-__all__ = ["AdmissionClient", "AsyncAdmissionClient", "AsyncGeneration", "Generation"]
+__all__ = [
+    "AdmissionClient",
+    "AsyncAdmissionClient",
+    "AsyncGeneration",
+    "AsyncStream",
+    "Generation",
+    "Stream",
+    "SyncStream",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +81,9 @@ def _usage(value: UsageLike) -> Usage:
     return value if isinstance(value, Usage) else Usage.model_validate(value)
 
 
-def _raise_for(response: httpx.Response) -> None:
+def _raise_for(response: httpx.Response, refusal_ok: bool = False) -> None:
+    if response.status_code == 429 and refusal_ok:
+        return
     if response.status_code == 429:
         raise BudgetExceeded(Decision.model_validate(response.json()))
     if response.status_code >= 400:
@@ -142,6 +168,80 @@ class Generation:
 
 AsyncGeneration = Generation
 
+_FIELDS = ("requests", "input_tokens", "cached_input_tokens", "output_tokens", "gpu_ms")
+
+
+class Stream(Generation):
+    """A streaming generation: what is reserved so far, grown by extends as it is used.
+
+    Attributes:
+        reserved: the estimate admitted plus every extend granted.
+        step: the least an extend adds to a field that needs more.
+        refusal: the 429 body of the extend that was refused (``None`` while none was).
+    """
+
+    def __init__(self, decision: Decision, estimate: Usage, step: Usage) -> None:
+        super().__init__(decision)
+        self.reserved = estimate
+        self.step = step
+        self.refusal: dict[str, Any] | None = None
+        self.seq = 0
+
+    @property
+    def stopped(self) -> bool:
+        """Whether an extend was refused: the generation must stop."""
+        return self.refusal is not None
+
+    def _needed(self, usage: Usage) -> Usage | None:
+        """What to add so that ``usage`` is reserved (None: it already is)."""
+        add: dict[str, int] = {}
+        for name in _FIELDS:
+            need = getattr(usage, name) - getattr(self.reserved, name)
+            if need > 0:
+                add[name] = max(need, getattr(self.step, name))
+        return Usage(**add) if add else None
+
+    def _body(self, add: Usage) -> dict[str, Any]:
+        self.seq += 1
+        return {
+            "reservation_id": self.reservation_id,
+            "seq": self.seq,
+            "add": add.model_dump(exclude_none=True, exclude_defaults=True),
+        }
+
+    def _answered(self, add: Usage, response: httpx.Response) -> bool:
+        if response.status_code == 429:
+            self.refusal = response.json()
+            return False
+        grown = {n: getattr(self.reserved, n) + getattr(add, n) for n in _FIELDS}
+        self.reserved = Usage(**grown)
+        return True
+
+
+class AsyncStream(Stream):
+    """:class:`Stream` for :meth:`AsyncAdmissionClient.stream` (``await s.report(...)``)."""
+
+    def __init__(
+        self, decision: Decision, estimate: Usage, step: Usage, client: AsyncAdmissionClient
+    ) -> None:
+        super().__init__(decision, estimate, step)
+        self._client = client
+
+    async def report(self, usage: UsageLike) -> bool:  # type: ignore[override]
+        """Record the usage so far; extend when it passes what is reserved.
+
+        Returns:
+            False once an extend was refused (stop the generation), else True.
+        """
+        self.usage = _usage(usage)
+        if self.stopped:
+            return False
+        add = self._needed(self.usage)
+        if add is None:
+            return True
+        response = await self._client._post("/v1/extend", self._body(add), refusal_ok=True)
+        return self._answered(add, response)
+
 
 def _used(usage: Usage | None) -> bool:
     return usage is not None and usage != Usage()
@@ -174,7 +274,7 @@ class AdmissionClient(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    def _post(self, path: str, body: dict[str, Any], refusal_ok: bool = False) -> httpx.Response:
         last: Exception | None = None
         failed: httpx.Response | None = None
         for attempt in range(self.retries + 1):
@@ -189,7 +289,7 @@ class AdmissionClient(_Base):
             if _retriable(response):
                 last, failed = _server_error(response), response
                 continue
-            _raise_for(response)
+            _raise_for(response, refusal_ok)
             return response
         raise AdmissionUnavailable(f"{path} failed after {self.retries + 1} tries: {last}")
 
@@ -237,6 +337,30 @@ class AdmissionClient(_Base):
             raise
         self._settle(gen)
 
+    @contextmanager
+    def stream(
+        self,
+        subject: SubjectLike,
+        estimate: UsageLike,
+        step: UsageLike | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[SyncStream]:
+        """Admit ``estimate`` (the first slice), yield a stream that extends as it is used
+        (by at least ``step``, default the estimate), then commit what was reported, or
+        release when nothing was, however the block ends (see the module docstring).
+
+        Raises:
+            BudgetExceeded: the first slice was refused (429).
+        """
+        first = _usage(estimate)
+        s = SyncStream(self.admit(subject, first, request_id), first, _usage(step or first), self)
+        try:
+            yield s
+        except BaseException:
+            self._settle_quietly(s)
+            raise
+        self._settle(s)
+
     def _settle(self, gen: Generation) -> None:
         if _used(gen.usage):
             assert gen.usage is not None
@@ -278,7 +402,9 @@ class AsyncAdmissionClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post(
+        self, path: str, body: dict[str, Any], refusal_ok: bool = False
+    ) -> httpx.Response:
         last: Exception | None = None
         failed: httpx.Response | None = None
         for attempt in range(self.retries + 1):
@@ -293,7 +419,7 @@ class AsyncAdmissionClient(_Base):
             if _retriable(response):
                 last, failed = _server_error(response), response
                 continue
-            _raise_for(response)
+            _raise_for(response, refusal_ok)
             return response
         raise AdmissionUnavailable(f"{path} failed after {self.retries + 1} tries: {last}")
 
@@ -336,6 +462,25 @@ class AsyncAdmissionClient(_Base):
             raise
         await self._settle(gen)
 
+    @asynccontextmanager
+    async def stream(
+        self,
+        subject: SubjectLike,
+        estimate: UsageLike,
+        step: UsageLike | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[AsyncStream]:
+        """As :meth:`AdmissionClient.stream`; a cancellation commits the partial usage."""
+        first = _usage(estimate)
+        decision = await self.admit(subject, first, request_id)
+        s = AsyncStream(decision, first, _usage(step or first), self)
+        try:
+            yield s
+        except BaseException:
+            await asyncio.shield(self._settle_quietly(s))
+            raise
+        await self._settle(s)
+
     async def _settle(self, gen: Generation) -> None:
         if _used(gen.usage):
             assert gen.usage is not None
@@ -348,3 +493,28 @@ class AsyncAdmissionClient(_Base):
             await self._settle(gen)
         except Exception:  # never hide the caller's own exception
             logger.exception("settling reservation %s failed", gen.reservation_id)
+
+
+class SyncStream(Stream):
+    """:class:`Stream` for :meth:`AdmissionClient.stream`."""
+
+    def __init__(
+        self, decision: Decision, estimate: Usage, step: Usage, client: AdmissionClient
+    ) -> None:
+        super().__init__(decision, estimate, step)
+        self._client = client
+
+    def report(self, usage: UsageLike) -> bool:  # type: ignore[override]
+        """Record the usage so far; extend when it passes what is reserved.
+
+        Returns:
+            False once an extend was refused (stop the generation), else True.
+        """
+        self.usage = _usage(usage)
+        if self.stopped:
+            return False
+        add = self._needed(self.usage)
+        if add is None:
+            return True
+        response = self._client._post("/v1/extend", self._body(add), refusal_ok=True)
+        return self._answered(add, response)

@@ -66,6 +66,11 @@ SETTLEMENTS = Counter(
     "Commit and release answers by result: acked (202) or unknown (503, retry safe).",
     ["kind", "result"],
 )
+EXTENDS = Counter(
+    "spendgate_admission_extends_total",
+    "Streaming extends by decision (allow, reject, unvouched)",
+    ["decision"],
+)
 SETTLE_LATENCY = Histogram(
     "spendgate_admission_settle_seconds",
     "Time to answer a commit or release, including the wait for the broker's ack.",

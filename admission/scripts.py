@@ -15,6 +15,11 @@ __all__ = [
     "ADMIT_KEYS_PER_TARGET",
     "ADMIT_REPLY_PER_TARGET",
     "CLAIM_UNPUBLISHED",
+    "EXTEND",
+    "EXTEND_ARGS_PER_TARGET",
+    "EXTEND_HEADER_KEYS",
+    "EXTEND_KEYS_PER_TARGET",
+    "EXTEND_REPLY_PER_TARGET",
     "SETTLE",
     "AdmitHeader",
     "AdmitTarget",
@@ -574,6 +579,148 @@ if outcome ~= 0 and outcome ~= 5 and not read_only then
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
   redis.call('ZADD', KEYS[3], at, rid)
   redis.call('SET', KEYS[1], table.concat(answer, ','), 'PX', tonumber(ARGV[3]))
+end
+local out = {0}
+for i = 1, #answer do out[#out + 1] = answer[i] end
+return out
+"""
+)
+
+#: KEYS entries before the first target in :data:`EXTEND`.
+EXTEND_HEADER_KEYS = 3
+#: KEYS entries per budget key in :data:`EXTEND`: window, pending window, pending reservations.
+EXTEND_KEYS_PER_TARGET = 3
+#: ARGV entries per budget key in :data:`EXTEND`.
+EXTEND_ARGS_PER_TARGET = 8
+#: Reply entries per budget key of :data:`EXTEND`.
+EXTEND_REPLY_PER_TARGET = 6
+
+# Grow an open reservation on every budget key it holds, or on none (a streaming extend).
+#
+# The amount is charged at the extend's own instant (the Redis clock): it joins the pending
+# window in the bucket of now, under its own pending entry (the extend's event id), which
+# the processor absorbs when it applies the extend event, as it absorbs a reserve. Work
+# per budget key is that of an admit: O(buckets in the window).
+#
+# KEYS[1] the extend's stored answer (one per reservation and sequence number)
+# KEYS[2] the reservation record (hash written by ADMIT: must exist and not be settled)
+# KEYS[3] the applied marks (hash: partition mark -> watermark ms)
+# KEYS[4..] per target 3 keys: window, pending window, pending reservations (as in ADMIT)
+# ARGV[1] the pending entry's name (the extend event's id)   ARGV[2] answer ttl ms
+# ARGV[3] staleness bound ms   ARGV[4] m, number of marks   ARGV[5..4+m] the mark fields
+# ARGV[5+m] n targets, then per target 8 entries: limit, window_ms, bucket_ms, boundary,
+#   amount, observe (0/1), failure (0 closed, 1 open, 2 degraded), deps (comma-separated
+#   mark indexes)
+# Returns {replayed (0/1), outcome (0 reject, 1 allow, 5 unvouched, 6 no such open
+#          reservation, 7 already settled), now_ms (the extend's instant), n, then per
+#          target: used, reserved (pending, this extend excluded), own (this extend),
+#          violated (0/1), reset_after_ms, state (0 vouched, 1 stale, 2 missing)}: the
+#          layout of ADMIT's per-target reply
+# An allow is stored (a repeat of the same sequence number returns it, growing nothing);
+# a refusal holds nothing and is decided anew.
+EXTEND = (
+    WINDOW_LUA_LIB
+    + r"""
+local stored = redis.call('GET', KEYS[1])
+if stored then
+  local out = {1}
+  for v in string.gmatch(stored, '([^,]+)') do out[#out + 1] = v end
+  return out
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('EXISTS', KEYS[2]) == 0 then return {0, 6, now, 0} end
+if redis.call('HGET', KEYS[2], 'settled') then return {0, 7, now, 0} end
+local nmarks = tonumber(ARGV[4])
+local mark_state = {}
+if nmarks > 0 then
+  local names = {}
+  for i = 1, nmarks do names[i] = ARGV[4 + i] end
+  local seen = redis.call('HMGET', KEYS[3], unpack(names))
+  local oldest = now - tonumber(ARGV[3])
+  for i = 1, nmarks do
+    if not seen[i] then mark_state[i] = 2
+    elseif tonumber(seen[i]) < oldest then mark_state[i] = 1
+    else mark_state[i] = 0 end
+  end
+end
+local n = tonumber(ARGV[5 + nmarks])
+local a, k = 6 + nmarks, 4
+local targets = {}
+local refused, unvouched = false, false
+for j = 1, n do
+  local x = {
+    wkey = KEYS[k], pwkey = KEYS[k + 1], prkey = KEYS[k + 2],
+    limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]), bucket = tonumber(ARGV[a + 2]),
+    boundary = ARGV[a + 3], amount = tonumber(ARGV[a + 4]), observe = ARGV[a + 5] == '1',
+    failure = tonumber(ARGV[a + 6]), state = 0,
+  }
+  for d in string.gmatch(ARGV[a + 7], '%d+') do
+    local st = mark_state[tonumber(d)]
+    if st > x.state then x.state = st end
+  end
+  local absorbed, pending
+  x.starts, x.amounts, x.count, absorbed, pending, x.stale = window_combine(
+    redis.call('GET', x.wkey), redis.call('HGETALL', x.pwkey), now, x.window, x.bucket,
+    x.boundary)
+  x.used = absorbed
+  if x.used < 0 then x.used = 0 end
+  x.reserved = pending
+  x.violated = x.used + x.reserved + x.amount > x.limit
+  if x.state > 0 and x.failure == 1 then x.violated = false end
+  if x.state > 0 and not x.observe and x.failure ~= 1 then unvouched = true end
+  if x.violated and not x.observe then refused = true end
+  targets[j] = x
+  a = a + 8
+  k = k + 3
+end
+local outcome = 1
+if unvouched then outcome = 5 elseif refused then outcome = 0 end
+-- Milliseconds until every amount counted now has aged out (as ADMIT's reset_after).
+local function reset_after(x, own)
+  local head = now - window_mod(now, x.bucket)
+  local oldest = head - x.window
+  if x.boundary == 'exclude' then oldest = oldest + x.bucket end
+  local last = nil
+  for i = 1, x.count do
+    if x.amounts[i] ~= 0 and x.starts[i] >= oldest then
+      if last == nil or x.starts[i] > last then last = x.starts[i] end
+    end
+  end
+  if own > 0 and (last == nil or head > last) then last = head end
+  if last == nil then return 0 end
+  local gone = last + x.window
+  if x.boundary ~= 'exclude' then gone = gone + x.bucket - 1 end
+  if gone < now then return 0 end
+  return gone - now
+end
+local answer = {outcome, now, n}
+for j = 1, n do
+  local x = targets[j]
+  local own = 0
+  if outcome == 1 then own = x.amount end
+  answer[#answer + 1] = x.used
+  answer[#answer + 1] = x.reserved
+  answer[#answer + 1] = own
+  answer[#answer + 1] = x.violated and 1 or 0
+  answer[#answer + 1] = reset_after(x, own)
+  answer[#answer + 1] = x.state
+end
+if outcome == 1 then
+  for j = 1, n do
+    local x = targets[j]
+    for i = 1, #x.stale, 1000 do
+      redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
+    end
+    if x.amount > 0 then
+      local field = string.format('%d', now - window_mod(now, x.bucket) + x.bucket - 1)
+      redis.call('HINCRBY', x.pwkey, field, string.format('%d', x.amount))
+      redis.call('HSET', x.prkey, ARGV[1], field .. ':' .. string.format('%d', x.amount))
+      redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
+      redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
+    end
+  end
+  redis.call('SET', KEYS[1], table.concat(answer, ','), 'PX', tonumber(ARGV[2]))
 end
 local out = {0}
 for i = 1, #answer do out[#out + 1] = answer[i] end

@@ -27,11 +27,20 @@ from admission.decide import (
 )
 from admission.exceptions import Overloaded, StoreUnavailable
 from admission.metrics import OVERLOADED, STORE_FAILURES
-from admission.scripts import ADMIT, ADMIT_REPLY_PER_TARGET, SETTLE, AdmitHeader, encode_deps
+from admission.scripts import (
+    ADMIT,
+    ADMIT_REPLY_PER_TARGET,
+    EXTEND,
+    EXTEND_REPLY_PER_TARGET,
+    SETTLE,
+    AdmitHeader,
+    encode_deps,
+)
 from schemas.events import Subject, Usage, partition_key
 from schemas.policies import Policy
 from schemas.redis_keys import (
     burst_key,
+    extend_key,
     marks_key,
     pending_reservations_key,
     pending_window_key,
@@ -50,6 +59,7 @@ __all__ = [
     "BudgetStore",
     "CapTerms",
     "Charge",
+    "ExtendResult",
     "KeyState",
     "Plan",
     "SettleResult",
@@ -88,6 +98,29 @@ class SettleResult:
     settled_as: str | None = None
 
 
+#: The extend script's outcome codes.
+ExtendOutcome = Literal["reject", "allow", "unvouched", "missing", "settled"]
+_EXTEND_OUTCOMES: dict[int, ExtendOutcome] = {
+    0: "reject",
+    1: "allow",
+    5: "unvouched",
+    6: "missing",
+    7: "settled",
+}
+_FAILURE_CODES = {"closed": 0, "open": 1, "degraded": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendResult:
+    """What the extend script decided: ``now_ms`` is the extend's instant (Redis clock;
+    the first answer's, for a repeat), ``keys`` one state per charge, in order."""
+
+    replayed: bool
+    outcome: ExtendOutcome
+    now_ms: int
+    keys: tuple[KeyState, ...]
+
+
 def _text(value: bytes | str | int) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -121,6 +154,7 @@ class BudgetStore:
         )
         self._admit_sha = client.register_script(ADMIT).sha
         self._settle = client.register_script(SETTLE)
+        self._extend = client.register_script(EXTEND)
         self._policies: list[Policy] | None = None
         self._version: bytes | str | None = None
         #: The partition counts the worker's marks refer to (None: not known yet).
@@ -354,6 +388,69 @@ class BudgetStore:
         if text.startswith("conflict:"):
             return SettleResult("conflict", parsed, text.removeprefix("conflict:"))
         return SettleResult("ok", parsed)
+
+    async def extend(
+        self, entry: str, reservation_id: str, seq: int, subject: Subject, charges: Sequence[Charge]
+    ) -> ExtendResult:
+        """Grow an open reservation by each charge's amount on every key, or on none.
+
+        Args:
+            entry: the extend's event id, the name of its pending entry.
+            reservation_id: the reservation to grow.
+            seq: the extend's sequence number (a repeat returns the first answer).
+            subject: the reservation's subject (finds the keys' marks).
+            charges: every budget key the reservation's subject matches, with the amount.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+            Overloaded: this process is saturated.
+        """
+        prefix = self.prefix
+        keys = [
+            extend_key(prefix, reservation_id, seq),
+            reservation_key(prefix, reservation_id),
+            marks_key(prefix),
+        ]
+        marks: dict[str, int] = {}
+        targets: list[int | str] = [len(charges)]
+        for charge in charges:
+            key = charge.target.key
+            policy = charge.target.policy
+            terms = charge.terms or PolicyTerms.of(policy)
+            keys += [
+                window_key(prefix, key),
+                pending_window_key(prefix, key),
+                pending_reservations_key(prefix, key),
+            ]
+            targets += [
+                policy.limit,
+                terms.window_ms,
+                policy.bucket_ms,
+                policy.boundary,
+                charge.amount,
+                int(policy.mode == "observe"),
+                _FAILURE_CODES[policy.failure],
+                self._deps(marks, terms, key, subject),
+            ]
+        args: list[int | str] = [entry, IDEMPOTENCY_TTL_MS, self.staleness_ms, len(marks)]
+        args += [*marks, *targets]
+        raw = await self._call("extend", lambda: self._extend(keys=keys, args=args))
+        replayed, outcome, now_ms, n, *rest = raw
+        per = EXTEND_REPLY_PER_TARGET
+        states = tuple(
+            KeyState(
+                used=int(rest[i]),
+                reserved=int(rest[i + 1]),
+                own=int(rest[i + 2]),
+                violated=bool(int(rest[i + 3])),
+                reset_after_ms=int(rest[i + 4]),
+                state=_STATES[int(rest[i + 5])],
+            )
+            for i in range(0, int(n) * per, per)
+        )
+        return ExtendResult(
+            bool(int(replayed)), _EXTEND_OUTCOMES[int(outcome)], int(now_ms), states
+        )
 
     async def ping(self) -> bool:
         """True when Redis answers."""

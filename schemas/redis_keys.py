@@ -53,6 +53,12 @@ def burst_key(prefix: str, key: str) -> str:
     return f"{prefix}bt:{key}"
 
 
+def extend_key(prefix: str, reservation_id: str, seq: int) -> str:
+    """The stored answer of a reservation's ``seq``-th extend (``POST /v1/extend``), so a
+    retried extend grows nothing twice and returns the first answer."""
+    return f"{prefix}ext:{seq}:{reservation_id}"
+
+
 def policies_key(prefix: str) -> str:
     """Hash of the policies in force: field = policy id, value = policy JSON."""
     return f"{prefix}policies"

@@ -11,11 +11,12 @@ import redis.asyncio as aioredis
 
 from admission.client import AdmissionClient, AsyncAdmissionClient
 from admission.exceptions import AdmissionRequestError, AdmissionUnavailable, BudgetExceeded
-from schemas.events import Usage
+from schemas.events import Usage, parse_event
 from schemas.redis_keys import pending_window_key, reservation_key
 from streams.materialize import RedisMaterializer
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.kafka_io import read_all
 
 pytestmark = pytest.mark.integration
 
@@ -192,3 +193,54 @@ class TestAsyncClient:
         assert len(transport.admits) == 3
         assert decision.reservation_id == again.reservation_id
         assert await _pending(redis_client, server) == 150
+
+
+class TestStreams:
+    async def test_sync_stream_extends_stops_when_refused_and_commits_what_it_used(
+        self, server: LiveServer, redis_client: aioredis.Redis
+    ) -> None:
+        def run() -> tuple[str, int, bool, Usage]:
+            produced = 0
+            client = AdmissionClient(server.url, "tok-acme")
+            first, step = {"output_tokens": 200}, {"output_tokens": 300}
+            with client, client.stream(SUBJECT, first, step) as s:
+                for produced in range(50, 2001, 50):
+                    if not s.report({"output_tokens": produced}):
+                        break
+            return s.reservation_id, produced, s.stopped, s.reserved
+
+        rid, produced, stopped, reserved = await asyncio.to_thread(run)
+        # 200 reserved, then 500, 800; at 850 the extend to 1,100 on the 1,000 limit failed.
+        assert (produced, stopped, reserved) == (850, True, Usage(output_tokens=800))
+        assert await _pending(redis_client, server) == 800  # no worker here: still pending
+        assert await _settled(redis_client, server, rid) == "commit"
+        settings = server.settings
+        events = [
+            parse_event(raw)
+            for raw in await read_all(settings.kafka_bootstrap, settings.topic("usage"))
+        ]
+        mine = [e for e in events if getattr(e, "reservation_id", None) == rid]
+        assert [e.kind for e in mine] == ["reserve", "extend", "extend", "commit"]
+        assert mine[-1].usage == Usage(output_tokens=850)  # type: ignore[union-attr]
+
+    async def test_async_stream_commits_on_cancellation(
+        self, server: LiveServer, redis_client: aioredis.Redis
+    ) -> None:
+        started = asyncio.Event()
+        holder: dict[str, str] = {}
+
+        async def generate() -> None:
+            client = AsyncAdmissionClient(server.url, "tok-acme")
+            async with client, client.stream(SUBJECT, {"output_tokens": 100}) as s:
+                holder["rid"] = s.reservation_id
+                assert await s.report({"output_tokens": 150})  # extends by 100
+                started.set()
+                await asyncio.sleep(60)  # the client goes away mid-stream
+
+        task = asyncio.create_task(generate())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _settled(redis_client, server, holder["rid"]) == "commit"
+        assert await _pending(redis_client, server) == 200

@@ -1,0 +1,152 @@
+"""``POST /v1/extend``: grows a reservation on every budget or none, once per sequence number."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from schemas.events import ExtendEvent
+from schemas.policies import Policy
+from schemas.redis_keys import pending_reservations_key
+from tests.fixtures.admission import Admission, MakeAdmission
+from tests.fixtures.factories import PolicyFactory
+
+pytestmark = pytest.mark.integration
+
+
+async def _admitted(adm: Admission, tokens: int) -> str:
+    answer = await adm.admit("acme", output_tokens=tokens)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["reservation_id"])
+
+
+async def _extend(adm: Admission, rid: str, seq: int, **add: Any) -> httpx.Response:
+    body = {"reservation_id": rid, "seq": seq, "add": add}
+    return await adm.http.post("/v1/extend", json=body)
+
+
+def _key(policy: Policy) -> str:
+    return f"{policy.id}|tenant=acme"
+
+
+class TestExtend:
+    async def test_an_extend_grows_every_budget_and_publishes_its_event(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        small, big = policy_factory(limit=100), policy_factory(limit=1000)
+        await adm.policies(small, big)
+        rid = await _admitted(adm, 30)
+        answer = await _extend(adm, rid, 1, output_tokens=20)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert (body["decision"], body["seq"], body["violated"]) == ("allow", 1, [])
+        assert {b["policy"]: b["remaining"] for b in body["budgets"]} == {
+            small.id: 50,
+            big.id: 950,
+        }
+        assert await adm.pending(_key(small)) == 50
+        assert await adm.pending(_key(big)) == 50
+        event = adm.publisher.events[-1]  # type: ignore[attr-defined]
+        assert isinstance(event, ExtendEvent)
+        assert (event.event_id, event.seq, event.usage.output_tokens) == (
+            f"extend-1-{rid}",
+            1,
+            20,
+        )
+        # Its own pending entry, for the worker to absorb when it applies the event.
+        entry = await adm.redis.hget(
+            pending_reservations_key(adm.prefix, _key(small)), event.event_id
+        )
+        assert entry is not None and entry.endswith(b":20")
+
+    async def test_all_or_nothing_across_budgets(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        small, big = policy_factory(limit=100), policy_factory(limit=1000)
+        await adm.policies(small, big)
+        rid = await _admitted(adm, 60)
+        answer = await _extend(adm, rid, 1, output_tokens=50)
+        assert answer.status_code == 429, answer.text
+        body = answer.json()
+        assert body["decision"] == "reject"
+        assert body["violated"] == [small.id]
+        assert {b["policy"]: b["remaining"] for b in body["budgets"]} == {
+            small.id: 40,
+            big.id: 940,
+        }
+        # Nothing grew anywhere, not even on the budget with room.
+        assert await adm.pending(_key(small)) == 60
+        assert await adm.pending(_key(big)) == 60
+        assert adm.publisher.kinds() == ["reserve"]  # type: ignore[attr-defined]
+        # What still fits is granted.
+        assert (await _extend(adm, rid, 2, output_tokens=40)).status_code == 200
+        assert await adm.pending(_key(small)) == 100
+
+    async def test_a_retried_extend_is_applied_once(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        policy = policy_factory(limit=1000)
+        await adm.policies(policy)
+        rid = await _admitted(adm, 10)
+        answers = await asyncio.gather(*(_extend(adm, rid, 1, output_tokens=25) for _ in range(20)))
+        assert {a.status_code for a in answers} == {200}
+        assert len({a.text for a in answers}) == 1  # every repeat gets the first answer
+        assert await adm.pending(_key(policy)) == 35
+        # Each repeat republishes the same event (one id): the worker counts it once.
+        ids = {e.event_id for e in adm.publisher.events if e.kind == "extend"}  # type: ignore[attr-defined]
+        assert ids == {f"extend-1-{rid}"}
+        assert (await _extend(adm, rid, 2, output_tokens=25)).status_code == 200
+        assert await adm.pending(_key(policy)) == 60
+
+    async def test_unknown_settled_and_foreign_reservations_are_refused(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        await adm.policies(policy_factory(limit=1000))
+        missing = await _extend(adm, "nope", 1, output_tokens=1)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["field"] == "reservation_id"
+        rid = await _admitted(adm, 10)
+        commit = await adm.http.post(
+            "/v1/commit", json={"reservation_id": rid, "usage": {"output_tokens": 5}}
+        )
+        assert commit.status_code == 202
+        settled = await _extend(adm, rid, 1, output_tokens=1)
+        assert settled.status_code == 409
+        assert settled.json()["error"]["code"] == "already_settled"
+
+    @pytest.mark.parametrize(
+        ("body", "field"),
+        [
+            ({"reservation_id": "r", "seq": 0, "add": {}}, "seq"),
+            ({"reservation_id": "r", "seq": 1, "add": {"output_tokens": -1}}, "add.output_tokens"),
+            ({"reservation_id": "r", "add": {}}, "seq"),
+            ({"reservation_id": "r", "seq": 1, "add": {}, "x": 1}, "x"),
+        ],
+    )
+    async def test_bad_bodies_are_400_naming_the_field(
+        self, make_admission: MakeAdmission, body: dict[str, Any], field: str
+    ) -> None:
+        adm = await make_admission()
+        answer = await adm.http.post("/v1/extend", json=body)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["field"] == field
+
+    async def test_an_extend_refused_by_an_unvouched_window_grows_nothing(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        policy = policy_factory(limit=1000)
+        await adm.policies(policy)
+        rid = await _admitted(adm, 10)
+        await adm.marks(None)
+        answer = await _extend(adm, rid, 1, output_tokens=5)
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "state_unvouched"
+        assert await adm.pending(_key(policy)) == 10

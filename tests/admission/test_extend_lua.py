@@ -1,0 +1,96 @@
+"""The EXTEND script on its own: embedded (no server) and on the real Redis."""
+
+from __future__ import annotations
+
+from admission.scripts import EXTEND, EXTEND_REPLY_PER_TARGET
+from schemas import window_codec
+from schemas.redis_keys import (
+    extend_key,
+    marks_key,
+    pending_reservations_key,
+    pending_window_key,
+    reservation_key,
+    window_key,
+)
+from tests.fixtures.embedded_lua import LuaServer
+
+BUCKET = 5_000
+WINDOW = 60_000
+
+
+def call(
+    lua: LuaServer,
+    seq: int,
+    targets: list[tuple[str, int, int]],
+    *,
+    rid: str = "r1",
+    marks: tuple[str, ...] = ("m0",),
+    deps: str = "1",
+    failure: int = 0,
+) -> list[int]:
+    """Run EXTEND for ``targets`` = (budget key, limit, amount); the reply as ints."""
+    p = lua.prefix
+    keys = [extend_key(p, rid, seq), reservation_key(p, rid), marks_key(p)]
+    args: list[int | str] = [f"extend-{seq}-{rid}", 60_000, 30_000, len(marks), *marks]
+    args.append(len(targets))
+    for key, limit, amount in targets:
+        keys += [window_key(p, key), pending_window_key(p, key), pending_reservations_key(p, key)]
+        args += [limit, WINDOW, BUCKET, "include", amount, 0, failure, deps]
+    reply = lua.script(EXTEND)(keys=keys, args=args)
+    return [int(v) for v in reply]
+
+
+def open_reservation(lua: LuaServer, rid: str = "r1") -> None:
+    lua.client.hset(reservation_key(lua.prefix, rid), mapping={"subject": "{}", "plan": 1})
+    lua.client.hset(marks_key(lua.prefix), "m0", 2**52)
+
+
+def pending(lua: LuaServer, key: str) -> int:
+    return sum(int(v) for v in lua.client.hvals(pending_window_key(lua.prefix, key)))
+
+
+class TestExtendScript:
+    def test_grows_every_key_in_the_bucket_of_now(self, lua_server: LuaServer) -> None:
+        open_reservation(lua_server)
+        lua_server.client.set(
+            window_key(lua_server.prefix, "a"), window_codec.encode({0: 7}, BUCKET)
+        )
+        reply = call(lua_server, 1, [("a", 100, 30), ("b", 100, 40)])
+        replayed, outcome, now, n, *rest = reply
+        assert (replayed, outcome, n) == (0, 1, 2)
+        assert rest[0:4] == [0, 0, 30, 0]  # key a: the old bucket aged out long ago
+        assert len(rest) == 2 * EXTEND_REPLY_PER_TARGET
+        assert (pending(lua_server, "a"), pending(lua_server, "b")) == (30, 40)
+        field = now - now % BUCKET + BUCKET - 1
+        entry = lua_server.client.hget(
+            pending_reservations_key(lua_server.prefix, "a"), "extend-1-r1"
+        )
+        assert entry == f"{field}:30".encode()
+
+    def test_refuses_on_every_key_when_one_is_full(self, lua_server: LuaServer) -> None:
+        open_reservation(lua_server)
+        assert call(lua_server, 1, [("a", 100, 90)])[1] == 1
+        reply = call(lua_server, 2, [("b", 1000, 5), ("a", 100, 20)])
+        assert reply[1] == 0
+        per = EXTEND_REPLY_PER_TARGET
+        assert reply[4 + 3] == 0 and reply[4 + per + 3] == 1  # only key a violated
+        assert (pending(lua_server, "a"), pending(lua_server, "b")) == (90, 0)
+
+    def test_a_repeated_sequence_number_returns_the_first_answer(
+        self, lua_server: LuaServer
+    ) -> None:
+        open_reservation(lua_server)
+        first = call(lua_server, 1, [("a", 100, 30)])
+        again = call(lua_server, 1, [("a", 100, 30)])
+        assert again[0] == 1 and again[1:] == first[1:]
+        assert pending(lua_server, "a") == 30
+
+    def test_missing_settled_and_unvouched(self, lua_server: LuaServer) -> None:
+        assert call(lua_server, 1, [("a", 100, 1)])[1] == 6
+        open_reservation(lua_server)
+        lua_server.client.hdel(marks_key(lua_server.prefix), "m0")
+        assert call(lua_server, 1, [("a", 100, 1)])[1] == 5
+        assert call(lua_server, 1, [("a", 100, 1)], failure=1)[1] == 1  # fails open
+        lua_server.client.hset(reservation_key(lua_server.prefix, "r1"), "settled", "commit")
+        assert call(lua_server, 2, [("a", 100, 1)])[1] == 7
+        assert pending(lua_server, "a") == 1
