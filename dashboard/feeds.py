@@ -89,6 +89,7 @@ class Scraper:
         self.previous: Scrape | None = None
         self.latest: Scrape | None = None
         self.up = {"admission": False, "worker": False}
+        self.last_lag: float | None = None
 
     async def run(self) -> None:
         """Scrape until cancelled."""
@@ -114,4 +115,9 @@ class Scraper:
         """The metrics panel's figures (``views.rates``) and which endpoints answered."""
         if self.latest is None:
             return {"up": dict(self.up)}
-        return {**rates(self.previous, self.latest), "up": dict(self.up)}
+        panel = rates(self.previous, self.latest)
+        # An interval with no record applied has no lag of its own: keep the last one.
+        if panel["worker_lag_s"] is None:
+            panel["worker_lag_s"] = self.last_lag
+        self.last_lag = panel["worker_lag_s"]
+        return {**panel, "up": dict(self.up)}

@@ -1,0 +1,312 @@
+"""The dashboard in a real browser (Debian's headless Chromium) against a live stack.
+
+A real worker, admission service and dashboard run as processes on this test's topics and
+Redis prefix; traffic goes through admission over HTTP. The test reads the page as a person
+would: the tight budget on top with its numbers, a refusal and an alert appearing without a
+reload, and a tenant-A session that never shows tenant B. It saves the screenshot the
+README shows (``docs/dashboard.png``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from schemas.policies import Policy
+from streams.settings import WorkerSettings
+from tests.fixtures.admission import free_port
+from tests.fixtures.pipeline import ApplyPolicies, Workers
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "docs" / "dashboard.png"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+#: Flags that work on this machine (headless, no sandbox as root, nothing fetched).
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1300",
+)
+TOKENS = 'tok-a: [a]\ntok-b: [b]\ntok-ops: operator\ntok-all: "*"\n'
+ALL = {"Authorization": "Bearer tok-all"}
+TIGHT = Policy.model_validate(
+    {
+        "id": "tight",
+        "unit": "requests",
+        "limit": 5,
+        "window": "5m",
+        "bucket": "10s",
+        "group_by": ["tenant"],
+    }
+)
+LOOSE = Policy.model_validate(
+    {
+        "id": "loose-tokens",
+        "unit": "total_tokens",
+        "limit": 1_000_000,
+        "window": "5m",
+        "bucket": "10s",
+        "group_by": ["tenant", "api_key"],
+    }
+)
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 45.0) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.25)
+
+
+class Process:
+    """One ``spendgate`` subcommand as a child process, its log kept for failures."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spendgate", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def answers(self, url: str) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.log.name} exited: {self.log.read_text()[-2000:]}")
+        try:
+            return httpx.get(url, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def stack(
+    workers: Workers,
+    worker_settings: WorkerSettings,
+    apply_policies: ApplyPolicies,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> Iterator[dict[str, str]]:
+    """Worker, admission and dashboard processes on this test's topics and prefix."""
+    import asyncio
+
+    worker_port, admission_port, dash_port = free_port(), free_port(), free_port()
+    workers.start(metrics_port=worker_port)
+    asyncio.run(apply_policies(TIGHT, LOOSE))
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(TOKENS)
+    s = worker_settings
+    env = {
+        **os.environ,
+        "SPENDGATE_KAFKA_BOOTSTRAP": s.kafka_bootstrap,
+        "SPENDGATE_REDIS_URL": s.redis_url,
+        "SPENDGATE_TOPIC_PREFIX": s.topic_prefix,
+        "SPENDGATE_REDIS_PREFIX": s.redis_prefix,
+        "SPENDGATE_AUTH_TOKENS_FILE": str(tokens),
+        "SPENDGATE_ADMISSION_PORT": str(admission_port),
+        "SPENDGATE_POLICY_REFRESH_S": "0.1",
+        "SPENDGATE_REDIS_TIMEOUT_S": "10.0",
+        "SPENDGATE_DASHBOARD_PORT": str(dash_port),
+        "SPENDGATE_ADMISSION_METRICS_URL": f"http://127.0.0.1:{admission_port}/metrics",
+        "SPENDGATE_WORKER_METRICS_URL": f"http://127.0.0.1:{worker_port}/metrics",
+        "SPENDGATE_SCRAPE_S": "0.5",
+    }
+    procs = [
+        Process(["admission"], env, tmp_path / "admission.log"),
+        Process(["dashboard"], env, tmp_path / "dashboard.log"),
+    ]
+    request.node.spendgate_logs = lambda: sorted(tmp_path.glob("*.log"))
+    urls = {
+        "admission": f"http://127.0.0.1:{admission_port}",
+        "dashboard": f"http://127.0.0.1:{dash_port}",
+    }
+    try:
+        wait_for("admission", lambda: procs[0].answers(urls["admission"] + "/readyz"), 60)
+        wait_for("the dashboard", lambda: procs[1].answers(urls["dashboard"] + "/healthz"), 60)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    """Headless Chromium driven through Debian's chromedriver (nothing downloaded)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def admit(url: str, tenant: str, requests: int = 1, tokens: int = 100) -> httpx.Response:
+    body = {
+        "request_id": uuid.uuid4().hex,
+        "subject": {"tenant": tenant, "api_key": f"{tenant}-key-1", "model": "m1"},
+        "estimate": {"requests": requests, "input_tokens": tokens},
+    }
+    return httpx.post(f"{url}/v1/admit", json=body, headers=ALL, timeout=10)
+
+
+def spend(url: str, tenant: str, n: int) -> None:
+    """``n`` requests admitted and committed in full."""
+    for _ in range(n):
+        answer = admit(url, tenant)
+        assert answer.status_code == 200, answer.text
+        commit = {
+            "reservation_id": answer.json()["reservation_id"],
+            "usage": {"requests": 1, "input_tokens": 100},
+        }
+        done = httpx.post(f"{url}/v1/commit", json=commit, headers=ALL, timeout=10)
+        assert done.status_code == 202, done.text
+
+
+def sign_in(driver: Any, url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.delete_all_cookies()
+    driver.get(url + "/")
+    wait_for("the sign-in form", lambda: driver.find_element(By.ID, "sign-in").is_displayed())
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#sign-in-form button").click()
+    wait_for("the signed-in page", lambda: driver.find_element(By.ID, "main").is_displayed())
+    assert token not in driver.current_url
+    stored = driver.execute_script(
+        "return JSON.stringify(localStorage) + JSON.stringify(sessionStorage) + document.cookie"
+    )
+    assert token not in stored, "the token (or a readable cookie) is kept by the page"
+
+
+def rows(driver: Any) -> list[dict[str, str]]:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return [
+            {
+                "key": tr.get_attribute("data-key"),
+                "usage": tr.find_element(By.CSS_SELECTOR, "td.usage").text,
+                "retry": tr.find_element(By.CSS_SELECTOR, "td.retry").text,
+                "window": tr.find_element(By.CSS_SELECTOR, "td.window").text,
+            }
+            for tr in driver.find_elements(By.CSS_SELECTOR, "#budgets tbody tr")
+        ]
+    except StaleElementReferenceException:  # redrawn while read: read again
+        return []
+
+
+def text_of(driver: Any, selector: str) -> str:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR, selector))
+    except StaleElementReferenceException:
+        return ""
+
+
+class TestDashboardInABrowser:
+    def test_what_an_operator_and_a_tenant_see(self, stack: dict[str, str], browser: Any) -> None:
+        from selenium.webdriver.common.by import By
+
+        adm, dash = stack["admission"], stack["dashboard"]
+        spend(adm, "a", 5)  # tight|tenant=a: 5 of 5, exhausted
+        spend(adm, "b", 2)  # tight|tenant=b: 2 of 5
+        assert admit(adm, "b", requests=4).status_code == 429  # b refused once
+        sign_in(browser, dash, "tok-ops")
+
+        top = wait_for(
+            "tight|tenant=a at the top, 5 of 5",
+            lambda: (
+                (r := rows(browser))
+                and r[0]["key"] == "tight|tenant=a"
+                and "5 + 0 / 5 requests (100%)" in r[0]["usage"]
+                and r
+            ),
+        )
+        assert top[0]["window"] == "5m" and top[0]["retry"] != "0s"
+        assert top[1]["key"] == "tight|tenant=b" and "2 + 0 / 5" in top[1]["usage"]
+        assert {r["key"] for r in top} >= {"loose-tokens|tenant=a|api_key=a-key-1"}
+
+        # The page is not reloaded from here on: a marker set now must survive.
+        browser.execute_script("window.__notReloaded = true")
+        refused = admit(adm, "a")
+        assert refused.status_code == 429
+        wait_for(
+            "tenant a's refusal in the feed",
+            lambda: "refused a by tight" in text_of(browser, "#refusals li"),
+        )
+        wait_for(
+            "the reject decisions counted",
+            lambda: text_of(browser, '#decisions tr[data-kind="reject"]').split()[1:2] == ["2"],
+        )
+        wait_for(
+            "tenant a's exhausted alert",
+            lambda: browser.find_elements(
+                By.CSS_SELECTOR, '#alerts li[data-kind="exhausted"][data-key="tight|tenant=a"]'
+            ),
+        )
+        assert browser.execute_script("return window.__notReloaded === true")
+
+        browser.find_element(By.CSS_SELECTOR, '#budgets tr[data-key="tight|tenant=a"]').click()
+        wait_for(
+            "the window chart of tight|tenant=a with its limit and a refusal mark",
+            lambda: (
+                browser.find_elements(By.CSS_SELECTOR, "#chart svg .refusal-mark")
+                and browser.find_elements(By.CSS_SELECTOR, "#chart svg .limit")
+            ),
+        )
+        assert browser.find_element(By.ID, "key-name").text == "tight|tenant=a"
+        time.sleep(1.0)  # one more poll so every panel shows the same moment
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(SCREENSHOT))
+
+        sign_in(browser, dash, "tok-a")
+        wait_for("tenant a's rows", lambda: rows(browser))
+        wait_for("tenant a's alerts", lambda: text_of(browser, "#alerts li"))
+        seen = {r["key"] for r in rows(browser)}
+        assert seen == {"tight|tenant=a", "loose-tokens|tenant=a|api_key=a-key-1"}
+        page = browser.find_element(By.TAG_NAME, "body").text + browser.page_source
+        assert "tenant=b" not in page and "refused b" not in page
+        assert "operators only" in text_of(browser, "#metrics-note")
