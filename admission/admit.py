@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 from pydantic import ValidationError
@@ -32,6 +32,7 @@ from admission.decide import (
     unvouched_of,
     worst,
 )
+from admission.delay import Delays, Gone, Held, delay_of, waitable_ms
 from admission.exceptions import (
     AdmissionError,
     Overloaded,
@@ -61,7 +62,7 @@ from admission.wire import (
     send_json,
 )
 from schemas.decisions import AdmitRequest
-from schemas.events import UsageEvent
+from schemas.events import ReleaseEvent, UsageEvent
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
 from schemas.refusals import Refusal
@@ -71,6 +72,16 @@ __all__ = ["AdmitEndpoint", "AdmitService", "bearer"]
 logger = logging.getLogger(__name__)
 
 _validate = AdmitRequest.model_validate_json
+
+
+#: Requests an admission process holds at once for ``delay`` policies (``SPENDGATE_DELAY_WAITERS``).
+DEFAULT_DELAY_WAITERS = 1000
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client disconnects (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -103,8 +114,10 @@ class AdmitService:
         prices: PriceCatalog | None,
         ledger: DegradedLedger,
         refusals: RefusalSink | None = None,
+        delays: Delays | None = None,
     ) -> None:
         self.store = store
+        self.delays = delays if delays is not None else Delays(DEFAULT_DELAY_WAITERS)
         self.publisher = publisher
         self.prices = prices
         self.ledger = ledger
@@ -123,17 +136,33 @@ class AdmitService:
         policies = await self.store.policies()
         return self.planner(policies).plans(body.subject, body.estimate)
 
-    async def admit(self, body: AdmitRequest, who: Principal) -> Answer:
+    async def admit(
+        self,
+        body: AdmitRequest,
+        who: Principal,
+        gone: Callable[[], Awaitable[None]] | None = None,
+    ) -> Answer:
         """Decide ``body`` for ``who``.
+
+        Args:
+            body: the request.
+            who: the caller.
+            gone: resolves when the client disconnects (only a held request watches it).
 
         Raises:
             AdmissionError: answered as ``{error: ...}`` (403, 400, 422, 503 ...).
+            Gone: the client disconnected while its request was held (nothing held).
         """
         started = time.perf_counter()
         try:
             who.check(body.subject.tenant)
             plans = await self.plans(body)
             self._check_room(plans[0].charges)
+            planner = self._planner
+            if planner is not None and planner.any_delay:
+                keys = delay_of(plans[0])
+                if keys:
+                    return await self._delayed(body, plans, keys, gone)
             try:
                 result = await self.store.admit(
                     body.request_id,
@@ -150,6 +179,74 @@ class AdmitService:
             raise
         finally:
             LATENCY.observe(time.perf_counter() - started)
+
+    async def _decide(self, body: AdmitRequest, plans: list[Plan]) -> AdmitResult:
+        return await self.store.admit(
+            body.request_id,
+            uuid.uuid4().hex,
+            plans,
+            body.estimate.output_tokens,
+            estimate=body.estimate,
+        )
+
+    async def _delayed(
+        self,
+        body: AdmitRequest,
+        plans: list[Plan],
+        keys: tuple[str, ...],
+        gone: Callable[[], Awaitable[None]] | None,
+    ) -> Answer:
+        """Admit a request an ``on_exceed: delay`` policy may hold (``admission.delay``)."""
+        arrived = time.monotonic()
+        tenant, request_id = body.subject.tenant, body.request_id
+        delays = self.delays
+        first: AdmitResult | None = None
+        try:
+            if not delays.joinable(tenant, request_id) and not delays.has_waiters(keys):
+                first = await self._decide(body, plans)
+                allowed = waitable_ms(plans[0], first)
+                retry = first.retry_after_ms
+                if allowed is None or retry is None or retry > allowed:
+                    return self._from_result(body, plans, first)
+            held = Held(
+                decide=lambda: self._decide(body, plans),
+                finish=lambda result, held_ms, why: self._finish(body, plans, result, held_ms, why),
+                release=lambda result: self._release(plans, result),
+            )
+            return await delays.hold(tenant, request_id, keys, plans[0], first, arrived, held, gone)
+        except StoreUnavailable as exc:
+            return self._fallback(body, plans[0].charges, exc)
+
+    def _finish(
+        self,
+        body: AdmitRequest,
+        plans: list[Plan],
+        result: AdmitResult,
+        held_ms: int,
+        why: str | None,
+    ) -> Answer:
+        answer = self._from_result(body, plans, result)
+        answer.body["delayed_ms"] = held_ms
+        if why is not None:
+            answer.body["reason"] = why
+        return answer
+
+    async def _release(self, plans: list[Plan], result: AdmitResult) -> None:
+        """Release a reservation made for a client that disconnected meanwhile."""
+        plan = plans[result.plan] if result.plan < len(plans) else plans[0]
+        rid = result.reservation_id
+        try:
+            await self.store.settle(rid, "release")
+        except AdmissionError as exc:
+            logger.warning("release of %s (client gone) not recorded in Redis: %s", rid, exc)
+        self._publish_or_fail(
+            ReleaseEvent(
+                event_id=f"release-{rid}",
+                subject=plan.subject,
+                occurred_at=datetime.now(UTC),
+                reservation_id=rid,
+            )
+        )
 
     def _publish_or_fail(self, event: UsageEvent) -> None:
         if self.publisher.publish(event):
@@ -300,15 +397,19 @@ class AdmitEndpoint:
                     # The framework's route refuses it, with its own words and field.
                     await self.app(scope, replaying(raw, receive), send)
                     return
-                await self._admit(body, authorization, send)
+                await self._admit(body, authorization, send, receive)
                 return
             problem = raw
         await send_json(send, problem.status, error_of(problem))
 
-    async def _admit(self, body: AdmitRequest, authorization: str | None, send: Send) -> None:
+    async def _admit(
+        self, body: AdmitRequest, authorization: str | None, send: Send, receive: Receive
+    ) -> None:
         try:
             who = self.authorizer.principal(bearer(authorization))
-            answer = await self.service.admit(body, who)
+            answer = await self.service.admit(body, who, lambda: _disconnected(receive))
+        except Gone:
+            return  # nobody to answer; nothing was held for them
         except AdmissionError as exc:
             await send_json(send, exc.status, error_of(exc), error_headers(exc))
             return

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
-from admission.admit import AdmitEndpoint, AdmitService
+from admission.admit import DEFAULT_DELAY_WAITERS, AdmitEndpoint, AdmitService
 from admission.auth import Authorizer, Principal
 from admission.bodies import (
     Accepted,
@@ -46,6 +46,7 @@ from admission.decide import (
     ratelimit_headers,
     statuses,
 )
+from admission.delay import Delays
 from admission.exceptions import (
     AdmissionError,
     AlreadySettled,
@@ -132,6 +133,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ledger: DegradedLedger | None = None,
     refusals: RefusalSink | None = None,
+    delay_waiters: int = DEFAULT_DELAY_WAITERS,
 ) -> FastAPI:
     """Build the API around an opened store and publisher (see ``admission.server``).
 
@@ -144,10 +146,11 @@ def create_app(
         max_body_bytes: larger bodies are refused with 413.
         ledger: the in-process state used while Redis is unreachable.
         refusals: where refused admissions are published (``budget.refusals``).
+        delay_waiters: how many requests ``delay`` policies may hold at once.
     """
     auth = authorizer or Authorizer(None)
     local = ledger or DegradedLedger()
-    service = AdmitService(store, publisher, prices, local, refusals)
+    service = AdmitService(store, publisher, prices, local, refusals, Delays(delay_waiters))
     app = AdmissionAPI(
         title="spendgate admission",
         version="1",

@@ -109,6 +109,8 @@ class PolicyTerms:
     template: TargetTemplate
     #: The policy's token bucket, if any.
     burst: BurstSpec | None = None
+    #: ``on_exceed: delay`` (enforce): the longest a request is held (0: never held).
+    delay_ms: int = 0
 
     @classmethod
     def of(cls, policy: Policy) -> PolicyTerms:
@@ -135,6 +137,11 @@ class PolicyTerms:
                 burst=burst.encode() if burst is not None else "",
             ),
             burst=burst,
+            delay_ms=(
+                policy.max_delay_ms
+                if policy.on_exceed == "delay" and policy.mode == "enforce"
+                else 0
+            ),
         )
 
 
@@ -279,6 +286,8 @@ class Planner:
         self.prices = prices
         self.index = PolicyIndex(policies)
         self.terms = {p.id: PolicyTerms.of(p) for p in self.index.policies}
+        #: Whether any policy in force may hold a request (``on_exceed: delay``).
+        self.any_delay = any(t.delay_ms > 0 for t in self.terms.values())
 
     def charges(self, subject: Subject, estimate: Usage) -> list[Charge]:
         """Every matching policy's key and amount for ``subject`` (sorted by policy id).

@@ -93,3 +93,14 @@ REFUSALS = Counter(
     "incomplete there).",
     ["result"],
 )
+DELAY_WAITING = Gauge(
+    "spendgate_admission_delay_waiting",
+    "Requests of on_exceed: delay policies this process holds, waiting to fit.",
+)
+DELAYS = Counter(
+    "spendgate_admission_delays_total",
+    "Held requests by how their wait ended: admitted, refused (waiting could not help), "
+    "queue_full (refused at once), gone (the client disconnected), joined (a repeat of a "
+    "request id already waiting).",
+    ["result"],
+)

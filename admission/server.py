@@ -118,6 +118,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         authorizer=authorizer,
         max_body_bytes=settings.max_body_bytes,
         refusals=refusals,
+        delay_waiters=settings.delay_waiters,
     )
 
 

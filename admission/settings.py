@@ -58,6 +58,8 @@ class AdmissionSettings(BaseSettings):
     staleness_s: float = Field(30.0, gt=0)
     #: Larger request bodies are refused with 413.
     max_body_bytes: int = Field(65_536, ge=1024)
+    #: Requests held at once for ``on_exceed: delay`` policies; one more is refused at once.
+    delay_waiters: int = Field(1000, ge=0)
 
     def topic(self, name: str) -> str:
         """The full name of one of spendgate's topics (``usage`` -> ``budget.usage``)."""

@@ -72,6 +72,11 @@ class Decision(BaseModel):
     model: str | None = None
     #: With ``route``: the pool the request must run on (the reservation is held there).
     route_to: str | None = None
+    #: Set when an ``on_exceed: delay`` policy held the request: for how long (ms).
+    delayed_ms: int | None = None
+    #: Why a held request was refused after all (queue full, or it fits only beyond
+    #: ``max_delay``).
+    reason: str | None = None
     max_output_tokens: Amount | None = None
     violated: list[str] = Field(default_factory=list)
     retry_after_seconds: int | None = None

@@ -24,7 +24,7 @@ Unit = Literal[
 ]
 Boundary = Literal["include", "exclude", "prorate"]
 Mode = Literal["enforce", "observe"]
-OnExceed = Literal["reject", "cap", "downgrade", "route"]
+OnExceed = Literal["reject", "cap", "downgrade", "route", "delay"]
 FailureMode = Literal["closed", "open", "degraded"]
 Unpriced = Literal["reject", "charge_default"]
 SubjectField = Literal["tenant", "team", "project", "api_key", "user", "model", "pool", "env"]

@@ -176,6 +176,8 @@ VALID_POLICIES: list[dict[str, Any]] = [
         "on_exceed": "route",
         "route_to": "gpu-west",
     },
+    {"id": "delayed", "unit": "requests", "limit": 5, "on_exceed": "delay", "max_delay": "2s"},
+    {"id": "delayed-default", "unit": "requests", "limit": 5, "on_exceed": "delay"},
     {
         "id": "burst-hourly",
         "unit": "cost_usd",
