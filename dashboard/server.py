@@ -72,6 +72,8 @@ def build_app(settings: DashboardSettings) -> Starlette:
 
 def serve(settings: DashboardSettings) -> None:
     """Serve the dashboard until interrupted."""
+    # httpx logs each request at INFO: two scrapes a second would drown the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info("dashboard on http://%s:%d/", settings.dashboard_host, settings.dashboard_port)
     uvicorn.run(
         build_app(settings),

@@ -134,7 +134,7 @@ class TestDemoTable:
         from spendgate.demo import KeyView, Tally, _table
 
         keys = [
-            "opus-requests-20s|tenant=initech|api_key=initech-key-2",
+            "opus-requests-30s|tenant=initech|api_key=initech-key-2",
             "tenant-tokens-1m|tenant=umbrella",
         ]
         tally = Tally(keys={k: KeyView(limit=10, used=9, unit="requests") for k in keys})
@@ -157,3 +157,11 @@ class TestSetup:
         tail = "\n".join(script[-4:])
         assert "bash scripts/demo" in tail
         assert "bash scripts/test" in tail
+
+
+class TestExamples:
+    @pytest.mark.parametrize("name", ["policies.yaml", "demo-policies.yaml"])
+    def test_every_example_policy_file_applies(self, name: str) -> None:
+        from streams.policy_admin import load_policies
+
+        assert load_policies(ROOT / "examples" / name)
