@@ -72,8 +72,10 @@ from admission.store import BudgetStore
 from admission.wire import BodyGuard, error_content, error_headers, error_of
 from schemas.decisions import AdmitRequest, Decision
 from schemas.events import CommitEvent, ReleaseEvent, Subject, Usage
+from schemas.forecast import forecast
 from schemas.prices import PriceCatalog
 from schemas.types import SUBJECT_FIELDS
+from schemas.windows import WindowSpec
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +377,15 @@ def create_app(
         plan = planner.plans(subject, Usage(cost_usd_micros=0))[0]
         plans = [Plan(subject, tuple(dataclasses.replace(c, alt=0) for c in plan.charges))]
         result = await store.admit("", uuid.uuid4().hex, plans, 0, read_only=True)
-        return BudgetList.model_validate({"budgets": statuses(plans[0].charges, result.keys)})
+        charges = plans[0].charges
+        held = await store.buckets([(c.target.key, c.target.policy.bucket_ms) for c in charges])
+        ahead = [
+            forecast(
+                WindowSpec(p.window_ms, p.bucket_ms, p.boundary), b, result.now_ms, limit=p.limit
+            ).exhausts_in_seconds
+            for p, b in zip((c.target.policy for c in charges), held, strict=True)
+        ]
+        return BudgetList.model_validate({"budgets": statuses(charges, result.keys, ahead)})
 
     app.include_router(api)
 

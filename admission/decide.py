@@ -371,10 +371,18 @@ def _terms(charge: Charge) -> PolicyTerms:
     return charge.terms if charge.terms is not None else PolicyTerms.of(charge.target.policy)
 
 
-def statuses(charges: Sequence[Charge], keys: Sequence[KeyState]) -> list[dict[str, Any]]:
-    """The ``budgets[]`` items (``schemas.decisions.BudgetStatus`` as JSON values)."""
+def statuses(
+    charges: Sequence[Charge],
+    keys: Sequence[KeyState],
+    exhausts_in_s: Sequence[int | None] | None = None,
+) -> list[dict[str, Any]]:
+    """The ``budgets[]`` items (``schemas.decisions.BudgetStatus`` as JSON values).
+
+    ``exhausts_in_s``: each key's forecast (``GET /v1/budgets``), put in every item (null
+    included) when given.
+    """
     out = []
-    for charge, state in zip(charges, keys, strict=True):
+    for i, (charge, state) in enumerate(zip(charges, keys, strict=True)):
         p = charge.target.policy
         held = state.reserved + state.own
         item: dict[str, Any] = {
@@ -388,6 +396,8 @@ def statuses(charges: Sequence[Charge], keys: Sequence[KeyState]) -> list[dict[s
             "window_seconds": _terms(charge).window_s,
             "reset_after_seconds": _seconds(state.reset_after_ms),
         }
+        if exhausts_in_s is not None:
+            item["exhausts_in_seconds"] = exhausts_in_s[i]
         if state.state != "vouched":
             item["state"] = state.state
         spec = _terms(charge).burst

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -36,6 +36,7 @@ from admission.scripts import (
     AdmitHeader,
     encode_deps,
 )
+from schemas import window_codec, windows
 from schemas.events import Subject, Usage, partition_key
 from schemas.policies import Policy
 from schemas.redis_keys import (
@@ -451,6 +452,35 @@ class BudgetStore:
         return ExtendResult(
             bool(int(replayed)), _EXTEND_OUTCOMES[int(outcome)], int(now_ms), states
         )
+
+    async def buckets(self, keys: Sequence[tuple[str, int]]) -> list[dict[int, int]]:
+        """Each (budget key, bucket width)'s absorbed window plus its pending reservations,
+        bucket by bucket (what the admit script counts), in one pipeline.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+            Overloaded: this process is saturated.
+        """
+
+        async def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for key, _ in keys:
+                pipe.get(window_key(self.prefix, key))
+                pipe.hgetall(pending_window_key(self.prefix, key))
+            return list(await pipe.execute())
+
+        raw = await self._call("windows", read)
+        out = []
+        for i, (_, bucket_ms) in enumerate(keys):
+            window, pending = raw[2 * i], raw[2 * i + 1]
+            absorbed: dict[int, int] = {}
+            if isinstance(window, bytes):
+                decoded = window_codec.decode(window)
+                absorbed = dict(decoded.buckets)
+                if decoded.bucket_ms != bucket_ms:
+                    absorbed = windows.rebucket(absorbed, decoded.bucket_ms, bucket_ms)
+            out.append(windows.merge(absorbed, window_codec.decode_pending(pending, bucket_ms)))
+        return out
 
     async def ping(self) -> bool:
         """True when Redis answers."""

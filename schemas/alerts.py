@@ -12,7 +12,7 @@ from schemas.events import UtcDatetime
 from schemas.policies import Threshold
 from schemas.types import MAX_AMOUNT, PolicyId, SignedAmount
 
-AlertKind = Literal["threshold", "exhausted", "reservation_expired", "store_failure"]
+AlertKind = Literal["threshold", "exhausted", "forecast", "reservation_expired", "store_failure"]
 
 _ID_HEX_CHARS = 32
 
@@ -63,7 +63,9 @@ class Alert(BaseModel):
     """One alert on ``budget.alerts``; build ``alert_id`` with :func:`alert_id`.
 
     Kinds: ``threshold`` (usage crossed ``threshold`` of ``limit``; fires once per
-    crossing), ``exhausted`` (the budget is used up), ``reservation_expired`` (a
+    crossing), ``exhausted`` (the budget is used up), ``forecast`` (at its recent burn
+    rate the key exhausts within the policy's ``forecast`` horizon; once per crossing,
+    re-armed when the prediction recedes), ``reservation_expired`` (a
     reservation was charged its estimate at expiry), ``store_failure`` (admission could
     not reach its store for this budget).
     """
@@ -79,6 +81,8 @@ class Alert(BaseModel):
     limit: int = Field(gt=0, le=MAX_AMOUNT)
     at: UtcDatetime
     reservation_id: str | None = None
+    #: ``forecast``: the predicted time to exhaustion at the recent burn rate.
+    exhausts_in_seconds: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _threshold_given(self) -> Self:

@@ -51,6 +51,10 @@ class BudgetStatus(BaseModel):
     remaining: int
     window_seconds: int
     reset_after_seconds: int
+    #: ``GET /v1/budgets``: when the key reaches its limit if its recent burn rate goes on
+    #: (``schemas.forecast``; 0: now); null when it is not heading there. Left out of
+    #: admit answers.
+    exhausts_in_seconds: int | None = None
     #: Set when Redis holds no window its worker vouches for: ``missing`` (lost, being
     #: restored) or ``stale`` (the worker is dead or too far behind); the numbers above
     #: are then what Redis holds, and the policy's failure mode decided.

@@ -119,6 +119,9 @@ class Policy(BaseModel):
     reservation_ttl: Duration = "15m"
     count_cached_input: StrictBool = True
     unpriced: Unpriced = "reject"
+    #: Alert (kind ``forecast``) when the key is predicted to exhaust within this horizon
+    #: at its recent burn rate (``schemas.forecast``); none: no forecast alerts.
+    forecast: Duration | None = None
 
     @property
     def window_ms(self) -> int:
@@ -129,6 +132,11 @@ class Policy(BaseModel):
     def bucket_ms(self) -> int:
         """The bucket width in milliseconds."""
         return parse_duration_ms(self.bucket)
+
+    @property
+    def forecast_ms(self) -> int:
+        """The forecast alert's horizon in milliseconds (0: no forecast alerts)."""
+        return parse_duration_ms(self.forecast) if self.forecast is not None else 0
 
     @property
     def reservation_ttl_ms(self) -> int:
@@ -201,6 +209,11 @@ class Policy(BaseModel):
         window_ms, bucket_ms = self.window_ms, self.bucket_ms
         if bucket_ms > window_ms or window_ms % bucket_ms:
             raise ValueError(f"bucket: {self.bucket} must divide window {self.window}")
+        if self.forecast is not None and not 0 < self.forecast_ms <= window_ms:
+            raise ValueError(
+                f"forecast: {self.forecast} must be positive and at most the window "
+                f"{self.window} (the projection looks one window ahead)"
+            )
         if (self.on_exceed == "downgrade") != (self.downgrade_to is not None):
             raise ValueError("downgrade_to: required exactly when on_exceed is 'downgrade'")
         if (self.on_exceed == "route") != (self.route_to is not None):

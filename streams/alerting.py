@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 from schemas import windows
 from schemas.alerts import Alert, AlertKind, alert_id
+from schemas.forecast import forecast
 from streams.ledger import KeyedRecord, KeyState
 
 
@@ -28,14 +29,22 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
 
     Usage is the window total at the key's clock (``state.high_ms``) with the policy's
     boundary. A threshold fires once per crossing of ``threshold x limit`` and re-arms when
-    usage falls back under it; ``exhausted`` likewise at ``limit``; a reservation still
+    usage falls back under it; ``exhausted`` likewise at ``limit``; ``forecast`` (when the
+    policy sets a horizon) likewise while the burn-rate forecast (``schemas.forecast``, at
+    the key's clock) puts exhaustion within the horizon; a reservation still
     open when the key's clock passes its expiry is reported once.
     """
     at_ms = state.high_ms
     used = windows.total(rec.spec, state.buckets, at_ms)
     alerts: list[Alert] = []
 
-    def emit(kind: AlertKind, threshold: float | None, seq: int, ref: str | None = None) -> None:
+    def emit(
+        kind: AlertKind,
+        threshold: float | None,
+        seq: int,
+        ref: str | None = None,
+        exhausts_in_s: int | None = None,
+    ) -> None:
         alerts.append(
             Alert(
                 alert_id=alert_id(rec.policy, rec.key, kind, threshold, seq, ref),
@@ -47,6 +56,7 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
                 limit=rec.limit,
                 at=datetime.fromtimestamp(at_ms / 1000, UTC),
                 reservation_id=ref,
+                exhausts_in_seconds=exhausts_in_s,
             )
         )
 
@@ -57,6 +67,12 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
     seq = _line(state, "exhausted", used >= rec.limit)
     if seq is not None:
         emit("exhausted", None, seq)
+    if rec.forecast_ms:
+        ahead = forecast(rec.spec, state.buckets, at_ms, limit=rec.limit).exhausts_in_ms
+        soon = ahead is not None and ahead <= rec.forecast_ms
+        seq = _line(state, "forecast", soon)
+        if seq is not None:
+            emit("forecast", None, seq, None, -(-(ahead or 0) // 1000))
     if state.reservations:
         due = [
             rid

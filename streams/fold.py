@@ -92,6 +92,7 @@ class _Plan:
     limit: int
     thresholds: tuple[float, ...]
     local: bool
+    forecast_ms: int = 0
 
 
 class Rules:
@@ -114,7 +115,16 @@ class Rules:
         self.index = PolicyIndex(policies)
         self.prices = prices
         self._plans = {
-            p.id: _Plan(p, p.window_ms, p.bucket_ms, p.boundary, p.limit, tuple(p.alerts), local(p))
+            p.id: _Plan(
+                p,
+                p.window_ms,
+                p.bucket_ms,
+                p.boundary,
+                p.limit,
+                tuple(p.alerts),
+                local(p),
+                p.forecast_ms,
+            )
             for p in self.index.policies
         }
 
@@ -230,7 +240,7 @@ def _may_outgrow(state: KeyState, rec: KeyedRecord, limit: int) -> bool:
     An upper bound, in O(1): one more bucket (12 bytes sparse), one more reservation, every
     open reservation reported expired, every alert line crossed, one more offset.
     """
-    lines = len(state.crossings) + len(state.above) + 2 * (len(rec.thresholds) + 1)
+    lines = len(state.crossings) + len(state.above) + 2 * (len(rec.thresholds) + 2)
     # Extended reservations keep one slice per bucket (two integers, brackets, commas).
     slices = sum(len(h.slices) for h in state.reservations.values())
     bound = (
@@ -399,6 +409,7 @@ class _Split:
                         expires_ms=event.expires_ms,
                         settled=settled,
                         broker_ms=rec.broker_ms,
+                        forecast_ms=plan.forecast_ms,
                     ),
                     origin,
                 )
@@ -446,6 +457,7 @@ class _Split:
                 last_offset=max(e[0] for e in entries),
                 broker_ms=max(broker),
                 entries=tuple(entries),
+                forecast_ms=plan.forecast_ms,
             )
             for (partition, key), (plan, entries, broker) in sorted(
                 self.remote.items(), key=lambda item: item[0][0]

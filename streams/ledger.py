@@ -109,6 +109,8 @@ class KeyedRecord:
     settled: bool = False
     #: Broker timestamp of the usage record this came from (for the lag metric only).
     broker_ms: int = 0
+    #: The policy's forecast alert horizon (0: none; ``streams.alerting``).
+    forecast_ms: int = 0
 
     @property
     def spec(self) -> WindowSpec:
@@ -412,6 +414,7 @@ def keyed_record(
         src_offset=src_offset,
         boundary=policy.boundary,
         thresholds=tuple(policy.alerts),
+        forecast_ms=policy.forecast_ms,
         reservation_id=getattr(event, "reservation_id", None),
         expires_ms=event.expires_ms if isinstance(event, ReserveEvent) else None,
         settled=settled and isinstance(event, ReserveEvent | ExtendEvent),

@@ -12,7 +12,7 @@ JSON (msgspec), ``v`` 1::
 
     {"v": 1, "key": str, "policy": str, "window_ms": int, "bucket_ms": int,
      "boundary": "include"|"exclude"|"prorate", "limit": int, "thresholds": [float],
-     "src_partition": int, "last_offset": int, "broker_ms": int,
+     "src_partition": int, "last_offset": int, "broker_ms": int, "forecast_ms": int,
      "entries": [[src_offset, kind, occurred_ms, amount, reservation_id|null,
                   expires_ms|null, settled, event_id], ...]}
 
@@ -50,6 +50,8 @@ class RemoteBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     last_offset: int
     broker_ms: int
     entries: tuple[Entry, ...]
+    #: The policy's forecast alert horizon (0: none); absent in batches of older workers.
+    forecast_ms: int = 0
     v: Literal[1] = 1
 
     def to_bytes(self) -> bytes:
@@ -89,6 +91,7 @@ class RemoteBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 expires_ms=expires_ms,
                 settled=settled,
                 broker_ms=self.broker_ms,
+                forecast_ms=self.forecast_ms,
             )
             for offset, kind, occurred_ms, amount, rid, expires_ms, settled, event_id in (
                 self.entries

@@ -172,11 +172,38 @@ class TestRejectAndHeaders:
         assert budget["key"] == f"{p.id}|tenant=acme|api_key=k"
         assert (budget["used"], budget["reserved"], budget["remaining"]) == (0, 50, 450)
         again = await adm.http.get("/v1/budgets", params={"tenant": "acme", "api_key": "k"})
-        assert again.json() == got.json()
+        # The forecast moves with the clock; everything else is as it was.
+        (later,) = again.json()["budgets"]
+        later.pop("exhausts_in_seconds")
+        budget.pop("exhausts_in_seconds")
+        assert later == budget
         missing = await adm.http.get("/v1/budgets", params={"tenant": "acme"})
         assert missing.status_code == 400 and missing.json()["error"]["field"] == "subject.api_key"
         bad = await adm.http.get("/v1/budgets", params={"tenant": "acme", "nope": "1"})
         assert bad.status_code == 400
+
+    async def test_budgets_carry_the_burn_rate_forecast(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        busy = policy_factory(limit=1000, unit="input_tokens", window="10m", bucket="10s")
+        idle = policy_factory(limit=1000, unit="requests", window="10m", bucket="10s")
+        await adm.policies(busy, idle)
+        head = _bucket_now(10_000)
+        # 100 in each of the last 6 buckets (the last 10% of the window): 600 used, about
+        # 11 per second lately; the 400 left last ~36 s at that rate, and none of it ages
+        # out meanwhile.
+        await adm.usage(
+            f"{busy.id}|tenant=acme", {head - k * 10_000: 100 for k in range(6)}, 10_000
+        )
+        await adm.usage(f"{idle.id}|tenant=acme", {head - 300_000: 5}, 10_000)
+        got = await adm.http.get("/v1/budgets", params={"tenant": "acme"})
+        assert got.status_code == 200, got.text
+        by_policy = {b["policy"]: b for b in got.json()["budgets"]}
+        elapsed_ms = 50_000 + int(time.time() * 1000) % 10_000
+        expected_s = 400 * elapsed_ms / 600 / 1000
+        assert abs(by_policy[busy.id]["exhausts_in_seconds"] - expected_s) <= 2
+        assert by_policy[idle.id]["exhausts_in_seconds"] is None
 
 
 class TestCap:

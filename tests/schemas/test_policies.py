@@ -53,6 +53,10 @@ def refused_fields(change: dict[str, Any]) -> set[str]:
 
 INVALID: list[tuple[dict[str, Any], str]] = [
     ({"id": "Has Spaces"}, "id"),
+    ({"forecast": "soon"}, "forecast"),
+    ({"forecast": 7200}, "forecast"),
+    ({"forecast": "48h"}, "forecast"),
+    ({"forecast": "0s"}, "forecast"),
     ({"id": ""}, "id"),
     ({"id": "x" * 65}, "id"),
     ({"id": DROP}, "id"),
@@ -184,6 +188,7 @@ VALID_POLICIES: list[dict[str, Any]] = [
         "limit": 9,
         "burst": {"rate": 1, "per": "1h", "capacity": 3},
     },
+    {"id": "forecast", "unit": "requests", "limit": 2, "forecast": "2h"},
 ]
 
 

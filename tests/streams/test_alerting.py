@@ -83,3 +83,50 @@ class TestExpiry:
             ]
         )
         assert fired == []
+
+
+def frec(event_id: str, at: int, amount: int) -> KeyedRecord:
+    """A record of a policy with a 30 s forecast horizon and no thresholds."""
+    return KeyedRecord(
+        event_id=event_id,
+        kind="commit",
+        policy="p",
+        key="p|tenant=a",
+        occurred_ms=at,
+        amount=amount,
+        window_ms=60_000,
+        bucket_ms=5_000,
+        limit=100,
+        src_partition=0,
+        src_offset=next(OFFSETS),
+        thresholds=(),
+        forecast_ms=30_000,
+    )
+
+
+class TestForecastAlerts:
+    # 60 s window, 5 s buckets: the burn rate looks at the last 2 buckets (10 s).
+    def test_fires_once_per_crossing_and_re_arms_when_the_prediction_recedes(self) -> None:
+        burst = [frec(f"a{i}", 1_000 + i * 1_000, 3) for i in range(9)]  # 3 per second
+        # At 9 s: 27 used at 3/s; 73 more take ~24 s, within 30 s: one alert, then none
+        # while the burst goes on.
+        quiet = [frec("q", 75_000, 1)]  # the burst has aged out; 1 unit in 10 s
+        again = [frec(f"b{i}", 76_000 + i * 1_000, 4) for i in range(9)]
+        fired = run([*burst, *quiet, *again])
+        kinds = [k for k, _, _ in fired]
+        assert kinds == ["forecast", "forecast"]
+        assert fired[0][2] != fired[1][2]
+
+    def test_the_alert_says_when(self) -> None:
+        state = KeyState()
+        alerts = []
+        for r in [frec(f"a{i}", 1_000 + i * 1_000, 3) for i in range(9)]:
+            apply(state, r)
+            alerts += evaluate(state, r)
+        (alert,) = alerts
+        assert alert.kind == "forecast" and alert.exhausts_in_seconds is not None
+        assert 0 < alert.exhausts_in_seconds <= 30
+
+    def test_no_horizon_no_forecast_alerts(self) -> None:
+        records = [rec(f"a{i}", 1_000 + i * 1_000, 3) for i in range(9)]
+        assert all(k != "forecast" for k, _, _ in run(records))

@@ -43,6 +43,7 @@ POLICIES = [
             "bucket": "1m",
             "group_by": ["tenant"],
             "alerts": [0.5, 0.8, 1.0],
+            "forecast": "5m",
         }
     ),
     # local: tenant pinned to one value
@@ -65,6 +66,7 @@ POLICIES = [
             "window": "10m",
             "bucket": "1m",
             "alerts": [0.5, 1.0],
+            "forecast": "10m",
         }
     ),
     Policy.model_validate(
@@ -337,6 +339,10 @@ class TestBatchBoundaries:
         ids = [[(a.alert_id, a.kind, a.key, a.threshold, a.used, a.at) for a in r] for r in runs]
         assert ids[0] == ids[1] == ids[2]
         assert len({a.alert_id for a in runs[0]}) == len(runs[0]) > 10
+        forecasts = [a for a in runs[0] if a.kind == "forecast"]
+        # Both keys with a horizon cross into it (re-arming needs an event while the
+        # prediction recedes: tests/streams/test_alerting.py).
+        assert {a.policy for a in forecasts} == {"ten", "all"}
         assert ids[0] == [
             (a.alert_id, a.kind, a.key, a.threshold, a.used, a.at)
             for a in per_record(records, 900_000).alerts
