@@ -87,7 +87,8 @@ class TestForecastAgainstBruteForce:
                 assert got == want, (limit, t_ms, events)
                 outcomes.append(want)
         assert 0 in outcomes  # already exhausted
-        assert any(o is not None and o > 0 for o in outcomes)  # heading there
+        if shape != "falling":  # a falling rate may free more than it spends: never heads
+            assert any(o is not None and o > 0 for o in outcomes)
 
     def test_a_falling_rate_that_frees_more_than_it_spends_never_exhausts(self) -> None:
         spec = WindowSpec(WINDOW_MS, BUCKET_MS, "include")
