@@ -132,7 +132,8 @@ class BudgetReader:
             start += SCAN_CHUNK
 
     async def _rows(self, keys: list[str], policies: dict[str, Policy]) -> list[KeyRow]:
-        """Decode the windows of ``keys``; a key whose window expired leaves the index."""
+        """Decode the windows of ``keys``; a key whose window expired, or whose policy was
+        deleted, leaves the index."""
         if not keys:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -147,9 +148,8 @@ class BudgetReader:
         for i, key in enumerate(keys):
             window, pending = replies[1 + 2 * i], replies[2 + 2 * i]
             p = policies.get(parse_key(key)[0])
-            if p is None:
-                continue
-            if window is None and not pending:
+            if p is None or (window is None and not pending):
+                # Its policy was deleted, or its window expired: it leaves the index.
                 gone.append(window_key(self.prefix, key))
                 continue
             rows.append(key_row(key, p, window, pending, now_ms))

@@ -24,6 +24,7 @@ pytest_plugins = [
     "tests.fixtures.pipeline",
     "tests.fixtures.admission",
     "tests.fixtures.embedded_lua",
+    "tests.fixtures.dashboard",
 ]
 
 IN_CI = os.environ.get("CI") == "true"

@@ -248,3 +248,18 @@ class TestIndex:
         members = await redis_client.zrange(utilization_key(key_prefix), 0, -1)
         assert members == [window_key(key_prefix, "global").encode()]
         assert window_codec.decode(await redis_client.get(window_key(key_prefix, "global"))).buckets
+
+    async def test_a_deleted_policys_keys_leave_the_index_when_met(
+        self,
+        dash: tuple[httpx.AsyncClient, dict[str, Any]],
+        redis_client: aioredis.Redis,
+        key_prefix: str,
+    ) -> None:
+        http, _ = dash
+        await seed(redis_client, key_prefix, {"per-tenant|tenant=a|api_key=x": 50, "global": 1})
+        await RedisMaterializer(redis_client, key_prefix).write_policies([GLOBAL])
+        await sign_in(http, "tok-ops")
+        rows = (await http.get("/api/budgets")).json()["rows"]
+        assert [r["key"] for r in rows] == ["global"]
+        members = await redis_client.zrange(utilization_key(key_prefix), 0, -1)
+        assert members == [window_key(key_prefix, "global").encode()]

@@ -9,41 +9,21 @@ README shows (``docs/dashboard.png``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
 from schemas.policies import Policy
-from streams.settings import WorkerSettings
-from tests.fixtures.admission import free_port
-from tests.fixtures.pipeline import ApplyPolicies, Workers
+from tests.fixtures.dashboard import StartStack, wait_for
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "dashboard.png"
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-#: Flags that work on this machine (headless, no sandbox as root, nothing fetched).
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1300",
-)
 TOKENS = 'tok-a: [a]\ntok-b: [b]\ntok-ops: operator\ntok-all: "*"\n'
 ALL = {"Authorization": "Bearer tok-all"}
 TIGHT = Policy.model_validate(
@@ -66,118 +46,6 @@ LOOSE = Policy.model_validate(
         "group_by": ["tenant", "api_key"],
     }
 )
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 45.0) -> T:
-    """Poll ``probe`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.25)
-
-
-class Process:
-    """One ``spendgate`` subcommand as a child process, its log kept for failures."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "spendgate", *args],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    def answers(self, url: str) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"{self.log.name} exited: {self.log.read_text()[-2000:]}")
-        try:
-            return httpx.get(url, timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@pytest.fixture
-def stack(
-    workers: Workers,
-    worker_settings: WorkerSettings,
-    apply_policies: ApplyPolicies,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> Iterator[dict[str, str]]:
-    """Worker, admission and dashboard processes on this test's topics and prefix."""
-    import asyncio
-
-    worker_port, admission_port, dash_port = free_port(), free_port(), free_port()
-    workers.start(metrics_port=worker_port)
-    asyncio.run(apply_policies(TIGHT, LOOSE))
-    tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(TOKENS)
-    s = worker_settings
-    env = {
-        **os.environ,
-        "SPENDGATE_KAFKA_BOOTSTRAP": s.kafka_bootstrap,
-        "SPENDGATE_REDIS_URL": s.redis_url,
-        "SPENDGATE_TOPIC_PREFIX": s.topic_prefix,
-        "SPENDGATE_REDIS_PREFIX": s.redis_prefix,
-        "SPENDGATE_AUTH_TOKENS_FILE": str(tokens),
-        "SPENDGATE_ADMISSION_PORT": str(admission_port),
-        "SPENDGATE_POLICY_REFRESH_S": "0.1",
-        "SPENDGATE_REDIS_TIMEOUT_S": "10.0",
-        "SPENDGATE_DASHBOARD_PORT": str(dash_port),
-        "SPENDGATE_ADMISSION_METRICS_URL": f"http://127.0.0.1:{admission_port}/metrics",
-        "SPENDGATE_WORKER_METRICS_URL": f"http://127.0.0.1:{worker_port}/metrics",
-        "SPENDGATE_SCRAPE_S": "0.5",
-    }
-    procs = [
-        Process(["admission"], env, tmp_path / "admission.log"),
-        Process(["dashboard"], env, tmp_path / "dashboard.log"),
-    ]
-    request.node.spendgate_logs = lambda: sorted(tmp_path.glob("*.log"))
-    urls = {
-        "admission": f"http://127.0.0.1:{admission_port}",
-        "dashboard": f"http://127.0.0.1:{dash_port}",
-    }
-    try:
-        wait_for("admission", lambda: procs[0].answers(urls["admission"] + "/readyz"), 60)
-        wait_for("the dashboard", lambda: procs[1].answers(urls["dashboard"] + "/healthz"), 60)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[Any]:
-    """Headless Chromium driven through Debian's chromedriver (nothing downloaded)."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def admit(url: str, tenant: str, requests: int = 1, tokens: int = 100) -> httpx.Response:
@@ -247,10 +115,13 @@ def text_of(driver: Any, selector: str) -> str:
 
 
 class TestDashboardInABrowser:
-    def test_what_an_operator_and_a_tenant_see(self, stack: dict[str, str], browser: Any) -> None:
+    def test_what_an_operator_and_a_tenant_see(
+        self, dashboard_stack: StartStack, browser: Any
+    ) -> None:
         from selenium.webdriver.common.by import By
 
-        adm, dash = stack["admission"], stack["dashboard"]
+        urls = dashboard_stack(TOKENS, [TIGHT, LOOSE])
+        adm, dash = urls["admission"], urls["dashboard"]
         spend(adm, "a", 5)  # tight|tenant=a: 5 of 5, exhausted
         spend(adm, "b", 2)  # tight|tenant=b: 2 of 5
         assert admit(adm, "b", requests=4).status_code == 429  # b refused once
