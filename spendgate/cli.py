@@ -308,6 +308,84 @@ def simulate(
         say("chart", "green", str(chart_file), out=out)
 
 
+@app.command("budgets")
+def budgets(
+    top: Annotated[int, typer.Option("--top", "-n", min=1, help="How many budgets.")] = 20,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's.")] = None,
+    policy_id: Annotated[str | None, typer.Option("--policy", help="Only this policy's.")] = None,
+    subject: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--subject", help="FIELD=VALUE a key must group by (repeatable, e.g. api_key=k1)."
+        ),
+    ] = None,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh in place every --interval seconds.")
+    ] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="Refresh period.")] = 2.0,
+) -> None:
+    """The budgets nearest their limits: used/limit, Retry-After now and exhausts_in.
+
+    Read from Redis (the worker's utilization index, then the shown keys' windows; an
+    index entry whose window expired is dropped, as the dashboard does). Retry-After is
+    when one more unit fits (never: not by ageing alone); exhausts in is the burn-rate
+    forecast (README, Forecasts).
+    """
+    import asyncio
+    import time
+
+    from rich.live import Live
+
+    from spendgate.budgets import top_budgets
+    from streams.settings import WorkerSettings
+
+    pairs = []
+    for item in subject or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise typer.BadParameter(f"{item!r} is not FIELD=VALUE", param_hint="--subject")
+        pairs.append((name, value))
+    settings = WorkerSettings()
+
+    def render() -> Table:
+        rows = asyncio.run(
+            top_budgets(
+                settings.redis_url,
+                settings.redis_prefix,
+                top=top,
+                tenant=tenant,
+                policy=policy_id,
+                subject=pairs,
+            )
+        )
+        table = Table("key", "used / limit", "share", "retry-after", "exhausts in")
+        for r in rows:
+            exhausts = "-" if r.exhausts_in_seconds is None else f"{r.exhausts_in_seconds} s"
+            retry = "never" if r.retry_after_seconds < 0 else f"{r.retry_after_seconds} s"
+            table.add_row(
+                Text(r.key),
+                f"{r.used + r.reserved:,} / {r.limit:,} {r.unit}",
+                f"{r.share:.0%}",
+                retry,
+                exhausts,
+            )
+        if not rows:
+            table.caption = "no budget windows in Redis match"
+        return table
+
+    out = Console()
+    if not watch:
+        out.print(render())
+        return
+    with (
+        Live(render(), console=out, auto_refresh=False) as live,
+        contextlib.suppress(KeyboardInterrupt),
+    ):
+        while True:
+            time.sleep(interval)
+            live.update(render(), refresh=True)
+
+
 @app.command("replay")
 def replay(
     since: Annotated[

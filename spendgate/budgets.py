@@ -1,0 +1,62 @@
+"""``spendgate budgets``: the budgets nearest their limits, read from Redis (nothing written)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from dashboard.reader import BudgetReader
+from dashboard.views import KeyRow
+from schemas.matching import parse_key
+
+__all__ = ["top_budgets"]
+
+#: Index pages read while a subject filter thins them out.
+_PAGE = 200
+
+
+def _matches(key: str, subject: dict[str, str]) -> bool:
+    """Whether every ``field=value`` of ``subject`` is one of the key's ``group_by`` values."""
+    _, fields = parse_key(key)
+    return all(fields.get(name) == value for name, value in subject.items())
+
+
+async def top_budgets(
+    redis_url: str,
+    prefix: str,
+    *,
+    top: int,
+    tenant: str | None = None,
+    policy: str | None = None,
+    subject: Sequence[tuple[str, str]] = (),
+) -> list[KeyRow]:
+    """The ``top`` budgets by utilization (used + reserved over limit), highest first.
+
+    Candidates come from the worker's utilization index (``schemas.redis_keys.
+    utilization_key``) in its order, so only the rows shown are decoded; ``tenant`` and
+    ``policy`` filter on the index's names, ``subject`` (``field=value`` pairs) on the
+    keys' ``group_by`` values.
+    """
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        reader = BudgetReader(client, prefix)
+        wanted = dict(subject)
+        rows: list[KeyRow] = []
+        offset = 0
+        while len(rows) < top:
+            page = await reader.page(
+                lambda _tenant: True,
+                tenant=tenant,
+                policy=policy,
+                offset=offset,
+                limit=_PAGE if wanted else top,
+            )
+            rows += [r for r in page.rows if _matches(r.key, wanted)]
+            offset += _PAGE if wanted else top
+            if offset >= page.matched:
+                break
+        rows.sort(key=lambda r: r.share, reverse=True)
+        return rows[:top]
+    finally:
+        await client.aclose()
