@@ -2,8 +2,11 @@
 
 Several tenants and models; bursts; generations that stream (and report usage as they
 go); cancellations mid-stream (partial usage is committed, nothing generated is released);
-and late usage reports (commits and refunds with an ``occurred_at`` in the past, published
-straight to Kafka as an inference worker reporting after the fact would). A live table
+late usage reports (commits and refunds with an ``occurred_at`` in the past, published
+straight to Kafka as an inference worker reporting after the fact would); and the
+enforcement actions once each on tenant ``hooli`` (``examples/demo-policies.yaml``): a
+burst cut by a token bucket, a request held by ``delay`` until it fits, one ``route``d to
+another pool. A live table
 shows every budget key; at the end a PNG chart shows usage against limit over time per
 budget key, with refusals marked.
 """
@@ -26,6 +29,7 @@ from typing import Any
 import httpx
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -91,6 +95,8 @@ class Tally:
     log: list[str] = field(default_factory=list)
     #: (seconds since start, text) of late reports, marked on the chart.
     late: list[tuple[float, str]] = field(default_factory=list)
+    #: What the enforcement-action showcase saw (printed again at the end).
+    actions: list[str] = field(default_factory=list)
 
 
 def _view(tally: Tally, elapsed_s: float) -> Group:
@@ -261,6 +267,68 @@ async def _late_reports(tally: Tally, clock: _Clock, seconds: float, rng: random
         await producer.stop()
 
 
+async def _showcase(http: httpx.AsyncClient, tally: Tally, clock: _Clock, seconds: float) -> None:
+    """burst, delay and route once each, on tenant hooli (skipped without its policies)."""
+
+    async def admit(model: str, **subject: str) -> httpx.Response:
+        answer = await http.post(
+            "/v1/admit",
+            json={
+                "request_id": uuid.uuid4().hex,
+                "subject": {"tenant": "hooli", "api_key": "hooli-key-1", "model": model, **subject},
+                "estimate": {"requests": 1, "input_tokens": 50, "output_tokens": 50},
+            },
+        )
+        _observe(tally, answer.json().get("budgets", []), clock.now())
+        if answer.status_code == 200:
+            tally.admitted += 1
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post(
+                    "/v1/commit",
+                    json={
+                        "reservation_id": answer.json()["reservation_id"],
+                        "usage": {"requests": 1, "input_tokens": 50, "output_tokens": 40},
+                    },
+                )
+                tally.committed += 1
+        elif answer.status_code == 429:
+            tally.refused += 1
+        return answer
+
+    def say(line: str) -> None:
+        tally.actions.append(line)
+        tally.log.append(f"[magenta]{escape(line)}[/]")
+
+    # burst: 6 at once against a bucket of 3.
+    await asyncio.sleep(2)
+    burst = await asyncio.gather(*(admit("claude-sonnet-4") for _ in range(6)))
+    refused = [a for a in burst if a.status_code == 429]
+    say(
+        f"burst: 6 sonnet requests at once, {6 - len(refused)} admitted, {len(refused)} refused "
+        f"by the token bucket (Retry-After {refused[0].headers.get('Retry-After', '-')}s)"
+        if refused
+        else "burst: no token bucket refused (policy hooli-sonnet-burst not applied?)"
+    )
+    # route: the third request on gpu-east goes to gpu-west.
+    for _ in range(3):
+        routed = await admit("claude-opus-4", pool="gpu-east")
+    body = routed.json()
+    say(
+        f"route: third request on gpu-east answered {body.get('decision')}"
+        f" -> {body.get('route_to')}"
+    )
+    # delay: 2 haiku now fill the 30 s window; one more ~22 s later is held until it fits.
+    await asyncio.gather(admit("claude-haiku-4"), admit("claude-haiku-4"))
+    wait = max(0.0, min(seconds - 12, clock.now() + 22) - clock.now())
+    await asyncio.sleep(wait)
+    say("delay: a third haiku request arrives; the window is full, it will be held...")
+    held = (await admit("claude-haiku-4")).json()
+    say(
+        f"delay: answered {held.get('decision')} after {held.get('delayed_ms', 0)} ms"
+        + (f" ({held['reason']})" if held.get("reason") else "")
+    )
+
+
 async def _poll_budgets(
     http: httpx.AsyncClient, tally: Tally, clock: _Clock, seconds: float
 ) -> None:
@@ -286,7 +354,10 @@ async def _run(base_url: str, seconds: float, seed: int | None, late: bool) -> T
     clock = _Clock()
     pending: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
-        side = [asyncio.create_task(_poll_budgets(http, tally, clock, seconds))]
+        side = [
+            asyncio.create_task(_poll_budgets(http, tally, clock, seconds)),
+            asyncio.create_task(_showcase(http, tally, clock, seconds)),
+        ]
         if late:
             side.append(asyncio.create_task(_late_reports(tally, clock, seconds, rng)))
         with Live(_view(tally, 0), refresh_per_second=4, console=Console()) as live:
@@ -379,6 +450,8 @@ def run_demo(
         f"{tally.committed} committed, {tally.cancelled} cancelled, "
         f"{tally.late_reports} late reports"
     )
+    for line in tally.actions:
+        console.print(Text(line))
     if chart is not None and tally.keys:
         written = write_chart(tally, Path(chart))
         console.print(f"chart: {written}")
