@@ -12,7 +12,9 @@ from schemas.events import UtcDatetime
 from schemas.policies import Threshold
 from schemas.types import MAX_AMOUNT, PolicyId, SignedAmount
 
-AlertKind = Literal["threshold", "exhausted", "forecast", "reservation_expired", "store_failure"]
+AlertKind = Literal[
+    "threshold", "exhausted", "forecast", "reservation_expired", "overage", "store_failure"
+]
 
 _ID_HEX_CHARS = 32
 
@@ -66,8 +68,10 @@ class Alert(BaseModel):
     crossing), ``exhausted`` (the budget is used up), ``forecast`` (at its recent burn
     rate the key exhausts within the policy's ``forecast`` horizon; once per crossing,
     re-armed when the prediction recedes), ``reservation_expired`` (a
-    reservation was charged its estimate at expiry), ``store_failure`` (admission could
-    not reach its store for this budget).
+    reservation was charged its estimate at expiry), ``overage`` (a commit above its
+    reservation: ``estimate``, ``reserved``, ``actual``; the part above was charged at the
+    commit's instant), ``store_failure`` (admission could not reach its store for this
+    budget).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,9 +87,16 @@ class Alert(BaseModel):
     reservation_id: str | None = None
     #: ``forecast``: the predicted time to exhaustion at the recent burn rate.
     exhausts_in_seconds: int | None = Field(default=None, ge=0)
+    #: With ``overage``: the reservation's estimate, everything it reserved (estimate and
+    #: extends) and the actual usage committed, in the policy's unit.
+    estimate: int | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    reserved: int | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    actual: int | None = Field(default=None, ge=0, le=MAX_AMOUNT)
 
     @model_validator(mode="after")
     def _threshold_given(self) -> Self:
         if self.kind == "threshold" and self.threshold is None:
             raise ValueError("threshold: required when kind is 'threshold'")
+        if self.kind == "overage" and (self.estimate is None or self.actual is None):
+            raise ValueError("estimate: estimate and actual are required when kind is 'overage'")
         return self

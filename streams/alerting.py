@@ -1,4 +1,4 @@
-"""Pure alert rules: threshold crossings, exhaustion and expired reservations."""
+"""Pure alert rules: threshold crossings, exhaustion, expired reservations and overages."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def _line(state: KeyState, name: str, crossed: bool) -> int | None:
     return seq
 
 
-def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
+def evaluate(
+    state: KeyState, rec: KeyedRecord, overage: tuple[int, int, int] | None = None
+) -> list[Alert]:
     """Alerts due after ``rec`` was applied to ``state`` (updates the bookkeeping in place).
 
     Usage is the window total at the key's clock (``state.high_ms``) with the policy's
@@ -32,7 +34,9 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
     usage falls back under it; ``exhausted`` likewise at ``limit``; ``forecast`` (when the
     policy sets a horizon) likewise while the burn-rate forecast (``schemas.forecast``, at
     the key's clock) puts exhaustion within the horizon; a reservation still
-    open when the key's clock passes its expiry is reported once.
+    open when the key's clock passes its expiry is reported once. ``overage`` (the
+    ``Change.overage`` of a commit above its reservation: estimate, reserved, actual) is
+    reported once per reservation (its id makes the alert id, so a replay re-emits it).
     """
     at_ms = state.high_ms
     used = windows.total(rec.spec, state.buckets, at_ms)
@@ -60,6 +64,24 @@ def evaluate(state: KeyState, rec: KeyedRecord) -> list[Alert]:
             )
         )
 
+    if overage is not None:
+        estimate, reserved, actual = overage
+        ref = rec.reservation_id
+        alerts.append(
+            Alert(
+                alert_id=alert_id(rec.policy, rec.key, "overage", None, 0, ref),
+                kind="overage",
+                policy=rec.policy,
+                key=rec.key,
+                used=used,
+                limit=rec.limit,
+                at=datetime.fromtimestamp(rec.occurred_ms / 1000, UTC),
+                reservation_id=ref,
+                estimate=estimate,
+                reserved=reserved,
+                actual=actual,
+            )
+        )
     for threshold in rec.thresholds:
         seq = _line(state, _line_name(threshold), used * 1.0 >= threshold * rec.limit)
         if seq is not None:

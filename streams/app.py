@@ -366,6 +366,9 @@ def build_app(
             logger.warning("dead-lettered record at %s/%s: %s", r.partition, r.offset, r.reason)
         for a in result.alerts:
             metrics.ALERTS.labels(kind=a.kind).inc()
+            if a.kind == "overage" and a.actual is not None and a.reserved is not None:
+                metrics.OVERAGES.labels(policy=a.policy).inc()
+                metrics.OVERAGE_AMOUNT.labels(policy=a.policy).inc(a.actual - a.reserved)
 
     async def fold_usage_batch(events: list[Any]) -> None:
         """Fold one batch of usage records, partition by partition, and write it."""

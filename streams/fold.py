@@ -287,7 +287,7 @@ class _Fold:
         guard = _may_outgrow(state, rec, self.max_value_bytes)
         before = state.to_bytes() if guard else b""
         change = apply(state, rec)
-        due = evaluate(state, rec) if change.outcome == "applied" else []
+        due = evaluate(state, rec, change.overage) if change.outcome == "applied" else []
         if guard and change.outcome != "redelivery":
             size = len(state.to_bytes())
             if size > self.max_value_bytes:

@@ -19,6 +19,17 @@ CLAMPED = Counter(
 )
 DEAD_LETTERED = Counter("spendgate_dead_lettered_total", "Records sent to the dead-letter topic.")
 ALERTS = Counter("spendgate_alerts_total", "Alerts emitted, by kind.", ["kind"])
+OVERAGES = Counter(
+    "spendgate_overage_total",
+    "Commits above everything their reservation held (overage alerts), by policy.",
+    ["policy"],
+)
+OVERAGE_AMOUNT = Counter(
+    "spendgate_overage_amount_total",
+    "Usage committed above reservations (charged at the commit's instant), by policy, in "
+    "the policy's unit.",
+    ["policy"],
+)
 LAG = Histogram(
     "spendgate_processing_lag_seconds",
     "From the usage record's broker timestamp to its window being materialized in Redis.",

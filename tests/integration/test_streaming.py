@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import uuid
+from datetime import UTC, datetime
 
 import httpx
 import pytest
 import redis
 
 from admission.client import AsyncAdmissionClient
+from schemas.alerts import Alert, alert_id
 from schemas.events import Usage
 from schemas.redis_keys import window_key
 from streams.replay import replay
 from streams.settings import WorkerSettings
+from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import buckets, eventually, pending_sum, window_sum
-from tests.fixtures.pipeline import ApplyPolicies
+from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_all, window_sum
+from tests.fixtures.pipeline import ApplyPolicies, Workers
 
 pytestmark = pytest.mark.integration
 
@@ -117,3 +121,63 @@ class TestStreaming:
         summary = await replay(worker_settings)
         assert summary.outcomes == {"applied": 8}  # reserve, 2 extends, commit, per key
         assert {k: buckets(redis_sync, prefix, k) for k in keys} == before
+
+
+class TestOverage:
+    async def test_a_commit_above_its_reservation_is_charged_counted_and_alerted(
+        self,
+        workers: Workers,
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
+        admission_client: httpx.AsyncClient,
+    ) -> None:
+        port = free_port()
+        workers.start(metrics_port=port)
+        policy = policy_factory(unit="output_tokens", limit=10_000, window="1h", bucket="1m")
+        await apply_policies(policy)
+        key = f"{policy.id}|tenant=acme"
+        prefix = worker_settings.redis_prefix
+        admitted = await admission_client.post(
+            "/v1/admit",
+            json={
+                "request_id": uuid.uuid4().hex,
+                "subject": SUBJECT,
+                "estimate": {"output_tokens": 100},
+            },
+        )
+        rid = admitted.json()["reservation_id"]
+        before = datetime.now(UTC)
+        commit = await admission_client.post(
+            "/v1/commit", json={"reservation_id": rid, "usage": {"output_tokens": 250}}
+        )
+        assert commit.status_code == 202
+        await eventually(
+            lambda: (
+                pending_sum(redis_sync, prefix, key) == 0
+                and window_sum(redis_sync, prefix, key) == 250
+            ),
+            what="charged in full",
+        )
+        alerts: list[Alert] = []
+
+        async def overage_alerts() -> list[Alert]:
+            raw = await read_all(worker_settings.kafka_bootstrap, worker_settings.topic("alerts"))
+            return [a for a in map(Alert.model_validate_json, raw) if a.kind == "overage"]
+
+        for _ in range(100):
+            alerts = await overage_alerts()
+            if alerts:
+                break
+            await asyncio.sleep(0.2)
+        assert len(alerts) == 1
+        alert = alerts[0]
+        assert (alert.policy, alert.key, alert.reservation_id) == (policy.id, key, rid)
+        assert (alert.estimate, alert.reserved, alert.actual) == (100, 100, 250)
+        assert alert.at >= before.replace(microsecond=0)
+        assert alert.alert_id == alert_id(policy.id, key, "overage", None, 0, rid)
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        assert f'spendgate_overage_total{{policy="{policy.id}"}} 1.0' in text
+        assert f'spendgate_overage_amount_total{{policy="{policy.id}"}} 150.0' in text

@@ -130,3 +130,33 @@ class TestForecastAlerts:
     def test_no_horizon_no_forecast_alerts(self) -> None:
         records = [rec(f"a{i}", 1_000 + i * 1_000, 3) for i in range(9)]
         assert all(k != "forecast" for k, _, _ in run(records))
+
+
+class TestOverage:
+    def test_a_commit_above_its_reservation_is_reported_once_with_its_amounts(self) -> None:
+        def alerts() -> list[Any]:
+            state = KeyState()
+            out = []
+            for r in (
+                rec("r", 1_000, 10, "reserve", reservation_id="x", expires_ms=900_000),
+                rec("e", 2_000, 5, "extend", reservation_id="x"),
+                rec("c", 30_000, 22, "commit", reservation_id="x"),
+            ):
+                change = apply(state, r)
+                out += [a for a in evaluate(state, r, change.overage) if a.kind == "overage"]
+            return out
+
+        first, again = alerts(), alerts()
+        assert len(first) == 1
+        alert = first[0]
+        assert (alert.estimate, alert.reserved, alert.actual) == (10, 15, 22)
+        assert alert.reservation_id == "x" and alert.used == 22
+        assert alert.at.timestamp() == 30.0  # the commit's instant
+        assert [a.alert_id for a in again] == [alert.alert_id]  # replay: the same id
+
+    def test_a_commit_within_its_reservation_is_no_overage(self) -> None:
+        state = KeyState()
+        apply(state, rec("r", 1_000, 10, "reserve", reservation_id="x", expires_ms=900_000))
+        change = apply(state, c := rec("c", 2_000, 10, "commit", reservation_id="x"))
+        assert change.overage is None
+        assert not [a for a in evaluate(state, c, change.overage) if a.kind == "overage"]
