@@ -208,7 +208,7 @@ def per_record(
             for rec in split.records:
                 state = KeyState.from_bytes(out.table.get(rec.key))
                 change = apply(state, rec)
-                due = evaluate(state, rec) if change.outcome == "applied" else []
+                due = evaluate(state, rec, change.overage) if change.outcome == "applied" else []
                 outcome: str = change.outcome
                 if change.outcome != "redelivery":
                     encoded = state.to_bytes()
