@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -11,14 +10,10 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import window_codec, windows
+from schemas.forecast import forecast
 from schemas.matching import is_exact, parse_key
 from schemas.policies import Policy
 from schemas.windows import WindowSpec
-
-try:  # Forecasts (``exhausts_in``) come from schemas.forecast where it is installed.
-    _forecast: Any = importlib.import_module("schemas.forecast").forecast
-except (ImportError, AttributeError):  # pragma: no cover - depends on the checkout
-    _forecast = None
 
 #: The decision kinds admission counts (``spendgate_admission_decisions_total``).
 REFUSED = ("reject",)
@@ -86,7 +81,7 @@ def key_row(
     """The table row of ``key`` at ``now_ms`` (the Redis clock), as admission sees it:
     used (absorbed by the worker), reserved (pending in Redis), when a request of one unit
     fits again (``Retry-After``), and when the budget runs out at its recent rate
-    (``exhausts_in``, when forecasts are installed)."""
+    (``exhausts_in``, ``schemas.forecast``)."""
     spec = spec_of(policy)
     h = held(policy, window, pending, now_ms)
     used, reserved = h.used, max(0, h.pending)
@@ -94,10 +89,8 @@ def key_row(
     if used + reserved >= policy.limit:
         fit = windows.retry_after(spec, h.buckets, now_ms, limit=policy.limit, amount=1)
         retry = -1 if fit.fits_at_ms is None else math.ceil((fit.fits_at_ms - now_ms) / 1000)
-    exhausts: int | None = None
-    if _forecast is not None:
-        seen = _forecast(spec, h.buckets, now_ms, limit=policy.limit)
-        exhausts = getattr(seen, "exhausts_in_seconds", None)
+    # The same forecast as GET /v1/budgets' exhausts_in_seconds (None: not heading there).
+    exhausts = forecast(spec, h.buckets, now_ms, limit=policy.limit).exhausts_in_seconds
     _, fields = parse_key(key)
     return KeyRow(
         policy=policy.id,

@@ -50,6 +50,17 @@ class TestKeyRow:
         assert (row.used, row.reserved, row.retry_after_seconds) == (3, 0, 0)
         assert row.tenant is None
 
+    def test_exhausts_in_shows_a_burst_heading_for_the_limit_and_nothing_for_an_old_one(
+        self,
+    ) -> None:
+        now = 10 * MIN + 5_000
+        burst = key_row(
+            "p", policy(limit=100), window_codec.encode({10 * MIN: 50}, 10_000), {}, now
+        )
+        assert burst.exhausts_in_seconds is not None and 0 < burst.exhausts_in_seconds <= 60
+        old = window_codec.encode({10 * MIN - 50_000: 50}, 10_000)  # ages out, nothing new
+        assert key_row("p", policy(limit=100), old, {}, now).exhausts_in_seconds is None
+
     def test_series_covers_the_window_bucket_by_bucket(self) -> None:
         window = window_codec.encode({10 * MIN - 20_000: 2, 10 * MIN: 3}, 10_000)
         s = window_series(policy(), window, {str(10 * MIN + 9_999): "1"}, 10 * MIN + 5_000)
