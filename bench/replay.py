@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--smoke", action="store_true", help="tiny CI run (a few hundred events)")
+    ap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also time spendgate simulate on the same topic (the policies in force as draft)",
+    )
     c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -44,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         summary = asyncio.run(replay(s))
         replay_s = time.perf_counter() - t0
+        sim = None
+        if args.simulate:
+            sim = asyncio.run(_simulate(s))
         n_raw2, raw2_s = asyncio.run(k.raw_consume(s))
         n_parse, parse_s = asyncio.run(k.raw_consume(s, parse=True))
     finally:
@@ -51,6 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         c.delete_topics(c.KAFKA, rid)
     raw_best = min(raw_s, raw2_s)
     print()
+    sim_rows = []
+    if sim is not None:
+        sim_records, sim_keys, sim_s = sim
+        sim_rows.append(
+            [
+                "spendgate simulate (read + judge + fold, draft = the policies in force)",
+                sim_records,
+                sim_keys,
+                sim_s,
+                sim_records / sim_s,
+                f"{sim_s / raw_best:.2f}",
+            ]
+        )
     c.print_table(
         ["run", "records", "keys", "seconds", "records/s", "x raw"],
         [
@@ -70,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary.records / replay_s,
                 f"{replay_s / raw_best:.2f}",
             ],
+            *sim_rows,
             [
                 "baseline: raw aiokafka consume (after)",
                 n_raw2,
@@ -95,7 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{parse_s:.2f} s (target <= 2x: {c.verdict(ratio <= 2.0, 'replay <= 2x raw + decode')}); "
         f"{replay_s / raw_best:.1f}x the raw consume alone"
     )
+    if sim is not None:
+        print(f"simulate: {sim[2]:.2f} s = {sim[2] / replay_s:.2f}x replay's {replay_s:.2f} s")
     return c.exit_status(args.check)
+
+
+async def _simulate(s: object) -> tuple[int, int, float]:
+    """Time ``spendgate simulate`` over the benchmark's topic with its policies as draft."""
+    from spendgate.simulate import simulate
+    from streams.policybook import read_policies
+
+    draft = list((await read_policies(s.kafka_bootstrap, s.topic("policies"))).values())  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    report = await simulate(s, draft)  # type: ignore[arg-type]
+    seconds = time.perf_counter() - t0
+    return report.usage_records + report.refusal_records, report.keys_folded, seconds
 
 
 if __name__ == "__main__":

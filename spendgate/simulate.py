@@ -245,6 +245,8 @@ class Report:
     first_ms: int | None = None
     last_ms: int | None = None
     seconds: float = 0.0
+    #: Draft budget keys whose windows the fold kept.
+    keys_folded: int = 0
 
     def to_json(self, top: int = 10) -> dict[str, Any]:
         """The whole report as JSON values."""
@@ -258,6 +260,7 @@ class Report:
             "unmatched_requests": self.unmatched,
             "unjudged_requests": self.unjudged,
             "dropped_settlements": self.dropped_settlements,
+            "keys_folded": self.keys_folded,
             "refusals_dropped_at_publish": self.dropped_at_publish,
             "policies": [p.to_json(top) for p in self.policies.values()],
         }
@@ -575,6 +578,7 @@ async def simulate(
     finally:
         sim.close()
     sim.report.seconds = asyncio.get_running_loop().time() - started
+    sim.report.keys_folded = len(sim.states)
     return sim.report
 
 
