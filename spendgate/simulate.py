@@ -23,8 +23,14 @@ How a history becomes a counterfactual (the same pure fold as ``replay``,
   admitted by the draft) is folded as a reservation of its estimate that nothing settles:
   it stays charged, as an abandoned reservation does at expiry. Commits without a
   reservation and adjusts are folded as they happened.
-* Drafts with ``on_exceed`` ``delay``, ``route`` or ``downgrade``, or with a ``burst``, are
-  refused with a message: this version does not simulate them.
+* ``delay``: a request refused only by delay policies is admitted at the instant it fits
+  (the exact Retry-After over the windows as they stand, no new usage assumed) when that
+  lies within the smallest ``max_delay`` among them, judged again there, and charged at
+  that instant; ``downgrade``/``route``: a request refused only by policies offering an
+  alternative is judged again for each alternative subject (model or pool replaced) in
+  order, never chained; the first that fits is admitted and it, its commit, extends and
+  release are charged to the replaced subject.
+* Drafts with a ``burst`` are refused with a message: this version does not simulate it.
 """
 
 from __future__ import annotations
@@ -39,13 +45,13 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer
 
-from admission.decide import Charge, Planner
+from admission.decide import Charge, Plan, Planner
 from schemas.events import Subject, Usage
 from schemas.exceptions import SpendgateError
 from schemas.fastdecode import decode
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
-from schemas.windows import WindowSpec, total
+from schemas.windows import WindowSpec, retry_after, total
 from streams.dedupe import IdStore
 from streams.fold import Rules, UsageRecord, fold_usage
 from streams.kafka_util import assign, partitions, stop
@@ -75,8 +81,6 @@ def unsupported(policies: Sequence[Policy]) -> list[str]:
     """Why each draft this version cannot simulate is refused (empty: all can be)."""
     out = []
     for p in policies:
-        if p.on_exceed in ("delay", "route", "downgrade"):
-            out.append(f"{p.id}: on_exceed {p.on_exceed} is not simulated yet")
         if getattr(p, "burst", None) is not None:
             out.append(f"{p.id}: burst is not simulated yet")
     return out
@@ -92,6 +96,10 @@ class Verdict:
     max_output_tokens: int | None = None
     #: Per charge: the amount the request holds (its capped amount when capped).
     amounts: tuple[int, ...] = ()
+    #: ``delay``: the instant it was admitted after being held (None: at once).
+    admitted_ms: int | None = None
+    #: ``downgrade``/``route``: the subject field replaced and its value (None: as asked).
+    replaced: tuple[str, str] | None = None
 
 
 def _amount_at(charge: Charge, output: int | None, asked: int) -> int:
@@ -191,6 +199,10 @@ class PolicyReport:
     refused: int = 0
     refused_units: int = 0
     capped: int = 0
+    #: Requests this policy refused at first that were admitted after a wait (``delay``)
+    #: or with the model or pool replaced (``downgrade``, ``route``).
+    delayed: int = 0
+    replaced: int = 0
     first_refusal: datetime | None = None
     last_refusal: datetime | None = None
     keys: dict[str, KeyReport] = field(default_factory=dict)
@@ -213,6 +225,8 @@ class PolicyReport:
             "refused_share": self.refused / self.requests if self.requests else 0.0,
             "refused_units": self.refused_units,
             "capped": self.capped,
+            "delayed": self.delayed,
+            "downgraded_or_routed": self.replaced,
             "first_refusal": _iso(self.first_refusal),
             "last_refusal": _iso(self.last_refusal),
             "peak_utilization": round(peak, 6),
@@ -319,6 +333,8 @@ class Simulation:
         self.refused_reservations: set[str] = set()
         #: reservation id -> the output cap the draft put on it.
         self.capped: dict[str, int] = {}
+        #: reservation id -> the subject field (and value) a downgrade or route replaced.
+        self.replaced: dict[str, tuple[str, str]] = {}
         self.seen_refusals: set[str] = set()
         self._offset = 0
         self._broker_ms = 0
@@ -371,9 +387,12 @@ class Simulation:
             verdict = self._judge(subject, usage, event.occurred_ms)
             if verdict is None or not verdict.refused:
                 value = item.value
-                if verdict is not None and verdict.max_output_tokens is not None:
-                    self.capped[rid] = verdict.max_output_tokens
-                    value = _capped(item.value, verdict.max_output_tokens)
+                if verdict is not None:
+                    if verdict.max_output_tokens is not None:
+                        self.capped[rid] = verdict.max_output_tokens
+                    if verdict.replaced is not None:
+                        self.replaced[rid] = verdict.replaced
+                    value = _rewritten(value, verdict)
                 self._fold(value, item.broker_ms)
             else:
                 self.refused_reservations.add(rid)
@@ -382,8 +401,9 @@ class Simulation:
             report.dropped_settlements += 1
             return
         value = item.value
-        if event.kind == "commit" and rid is not None and rid in self.capped:
-            value = _capped(item.value, self.capped[rid])
+        if rid is not None and (rid in self.capped or rid in self.replaced):
+            cap = self.capped.get(rid) if event.kind == "commit" else None
+            value = _rewritten(value, Verdict(False, (), cap, (), None, self.replaced.get(rid)))
         self._fold(value, item.broker_ms)
 
     def _refusal(self, item: _Merged) -> None:
@@ -402,19 +422,19 @@ class Simulation:
         if verdict is not None and verdict.refused:
             return
         # Admitted by the draft: its estimate is held from its instant and never settled.
-        estimate = usage
-        if verdict is not None and verdict.max_output_tokens is not None:
-            estimate = usage.model_copy(update={"output_tokens": verdict.max_output_tokens})
         body = {
             "event_id": f"simulated-{request_id}",
             "kind": "reserve",
             "subject": subject.model_dump(exclude_none=True),
             "occurred_at": _iso_ms(item.at_ms),
             "reservation_id": f"simulated-{request_id}",
-            "usage": estimate.model_dump(exclude_none=True),
+            "usage": usage.model_dump(exclude_none=True),
             "expires_at": _iso_ms(item.at_ms + 1),
         }
-        self._fold(orjson.dumps(body), item.broker_ms)
+        value = orjson.dumps(body)
+        if verdict is not None:
+            value = _rewritten(value, verdict)
+        self._fold(value, item.broker_ms)
 
     def _judge(self, subject: Subject, usage: Usage, at_ms: int) -> Verdict | None:
         """Judge a request at ``at_ms``; None when no draft policy matches it (or it
@@ -422,20 +442,28 @@ class Simulation:
         report = self.report
         report.requests += 1
         try:
-            charges = self.planner.charges(subject, usage)
+            plans = self.planner.plans(subject, usage)
         except SpendgateError:
             report.unjudged += 1
             return None
+        charges = plans[0].charges
         if not charges:
             report.unmatched += 1
             return None
-        totals = []
-        for c in charges:
-            state = self.states.get(c.target.key)
-            spec = self.specs[c.target.policy.id]
-            totals.append(total(spec, state.buckets, at_ms) if state is not None else 0)
-        verdict = judge(charges, totals, usage.output_tokens)
+        totals = self._totals(charges, at_ms)
+        first = verdict = judge(charges, totals, usage.output_tokens)
+        if verdict.refused:
+            verdict = self._delayed(charges, verdict, usage, at_ms) or self._alternative(
+                plans, verdict, usage, at_ms
+            )
         at = datetime.fromtimestamp(at_ms / 1000, UTC)
+        if first.refused and not verdict.refused:
+            for pid in first.violated:
+                pr = report.policies[pid]
+                if verdict.admitted_ms is not None:
+                    pr.delayed += 1
+                else:
+                    pr.replaced += 1
         for i, c in enumerate(charges):
             policy = c.target.policy
             pr = report.policies[policy.id]
@@ -445,7 +473,8 @@ class Simulation:
             pr.requests += 1
             kr.requests += 1
             refused_here = verdict.refused and policy.id in verdict.violated
-            used_after = totals[i] + (0 if verdict.refused else verdict.amounts[i])
+            held_here = not verdict.refused and verdict.replaced is None
+            used_after = totals[i] + (verdict.amounts[i] if held_here else 0)
             _track(kr, at_ms, used_after, refused_here)
             if refused_here:
                 pr.refused += 1
@@ -459,6 +488,61 @@ class Simulation:
                 pr.capped += 1
                 kr.capped += 1
         return verdict
+
+    def _totals(self, charges: Sequence[Charge], at_ms: int) -> list[int]:
+        out = []
+        for c in charges:
+            state = self.states.get(c.target.key)
+            spec = self.specs[c.target.policy.id]
+            out.append(total(spec, state.buckets, at_ms) if state is not None else 0)
+        return out
+
+    def _delayed(
+        self, charges: Sequence[Charge], refused: Verdict, usage: Usage, at_ms: int
+    ) -> Verdict | None:
+        """``delay``: refused only by delay policies, and every one of them fits within
+        the smallest ``max_delay`` among them (assuming no new usage, as admission's
+        exact Retry-After does): judged again at that instant."""
+        violating = [c for c in charges if c.target.policy.id in refused.violated]
+        policies = [c.target.policy for c in violating]
+        if any(p.on_exceed != "delay" or p.mode != "enforce" for p in policies):
+            return None
+        wait_ms = min(p.max_delay_ms for p in policies)
+        fits = []
+        for c in violating:
+            state = self.states.get(c.target.key)
+            buckets = state.buckets if state is not None else {}
+            spec = self.specs[c.target.policy.id]
+            found = retry_after(spec, buckets, at_ms, limit=c.target.policy.limit, amount=c.amount)
+            if found.fits_at_ms is None:
+                return None
+            fits.append(found.fits_at_ms)
+        then = max(fits)
+        if then - at_ms > wait_ms:
+            return None
+        again = judge(charges, self._totals(charges, then), usage.output_tokens)
+        if again.refused:
+            return None
+        return Verdict(False, (), again.max_output_tokens, again.amounts, then)
+
+    def _alternative(
+        self, plans: Sequence[Plan], refused: Verdict, usage: Usage, at_ms: int
+    ) -> Verdict:
+        """``downgrade``/``route``: refused only by policies offering an alternative, the
+        alternatives are tried in order (never chained); the first that fits wins."""
+        violating = [c for c in plans[0].charges if c.target.policy.id in refused.violated]
+        if not violating or any(c.alt == 0 for c in violating):
+            return refused
+        for index in sorted({c.alt for c in violating}):
+            plan = plans[index]
+            again = judge(plan.charges, self._totals(plan.charges, at_ms), usage.output_tokens)
+            if not again.refused:
+                name = "model" if plan.kind == "downgrade" else "pool"
+                value = plan.subject.value(name) or ""
+                return Verdict(
+                    False, (), again.max_output_tokens, again.amounts, None, (name, value)
+                )
+        return refused
 
 
 def _track(kr: KeyReport, at_ms: int, used: int, refused: bool) -> None:
@@ -495,13 +579,26 @@ def _usage_dict(usage: object) -> dict[str, Any]:
     }
 
 
-def _capped(value: bytes, output: int) -> bytes:
-    """The record with its usage's output tokens at most ``output``."""
+def _rewritten(value: bytes, verdict: Verdict) -> bytes:
+    """The record as the draft would have it: output tokens at most the cap, admitted at
+    the end of its delay, for the downgraded model or routed pool."""
+    if (
+        verdict.max_output_tokens is None
+        and verdict.admitted_ms is None
+        and verdict.replaced is None
+    ):
+        return value
     raw = orjson.loads(value)
     usage = raw.get("usage") or {}
-    if usage.get("output_tokens", 0) > output:
-        usage["output_tokens"] = output
+    cap = verdict.max_output_tokens
+    if cap is not None and usage.get("output_tokens", 0) > cap:
+        usage["output_tokens"] = cap
         raw["usage"] = usage
+    if verdict.admitted_ms is not None:
+        raw["occurred_at"] = _iso_ms(verdict.admitted_ms)
+    if verdict.replaced is not None:
+        name, replaced_by = verdict.replaced
+        raw["subject"] = {**raw.get("subject", {}), name: replaced_by}
     return orjson.dumps(raw)
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+import orjson
+
 from admission.decide import Planner
 from schemas.events import Subject, Usage
 from schemas.policies import Policy
-from spendgate.simulate import judge, unsupported
+from spendgate.simulate import Simulation, _Merged, judge, unsupported
 
 
 def policy(pid: str, **fields: object) -> Policy:
@@ -41,10 +45,68 @@ class TestJudge:
 
 
 class TestUnsupported:
-    def test_delay_route_and_downgrade_drafts_are_named(self) -> None:
+    def test_burst_drafts_are_named(self) -> None:
         drafts = [
+            policy("b", burst={"rate": 5, "per": "1s", "capacity": 20}),
             policy("d", on_exceed="delay"),
-            policy("r", on_exceed="route", route_to="west"),
             policy("ok"),
         ]
-        assert [m.split(":")[0] for m in unsupported(drafts)] == ["d", "r"]
+        assert [m.split(":")[0] for m in unsupported(drafts)] == ["b"]
+
+
+class TestActions:
+    """delay and route drafts judged on a history fed straight to the simulation."""
+
+    def _run(self, draft: list[Policy], events: list[tuple[int, dict]]) -> Simulation:  # type: ignore[type-arg]
+        sim = Simulation(draft, None, 86_400_000)
+        try:
+            for n, (at, body) in enumerate(events):
+                sim.feed(_Merged(at, n, 0, at, orjson.dumps(body)))
+        finally:
+            sim.close()
+        return sim
+
+    @staticmethod
+    def reserve(n: int, at: int, tokens: int, **subject: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+        iso = datetime.fromtimestamp(at / 1000, UTC).isoformat()
+        return at, {
+            "event_id": f"e{n}",
+            "kind": "reserve",
+            "subject": {"tenant": "a", "model": "m", **subject},
+            "occurred_at": iso,
+            "reservation_id": f"r{n}",
+            "usage": {"output_tokens": tokens},
+            "expires_at": datetime.fromtimestamp(at / 1000 + 600, UTC).isoformat(),
+        }
+
+    def test_delay_admits_what_fits_within_max_delay_and_refuses_the_rest(self) -> None:
+        # 30 s window of 1 s buckets, limit 100; 90 at t0; the next 20 fit once it ages out.
+        draft = [policy("d", window="30s", bucket="1s", on_exceed="delay", max_delay="5s")]
+        t0 = 1_700_000_000_000
+        sim = self._run(
+            draft,
+            [
+                self.reserve(1, t0, 90),
+                self.reserve(2, t0 + 27_000, 20),  # fits at t0 + 30 s: 3 s wait, admitted
+                self.reserve(3, t0 + 31_000, 90),  # 20 held, 90 more never fits in 5 s
+            ],
+        )
+        pr = sim.report.policies["d"]
+        assert (pr.delayed, pr.refused) == (1, 1)
+        state = sim.states["d"]
+        assert t0 + 30_000 in state.buckets and state.buckets[t0 + 30_000] == 20
+
+    def test_route_charges_the_routed_pool(self) -> None:
+        draft = [
+            policy("east", match={"pool": "east"}, group_by=["pool"], on_exceed="route",
+                   route_to="west"),
+            policy("west", match={"pool": "west"}, group_by=["pool"]),
+        ]  # fmt: skip
+        t0 = 1_700_000_000_000
+        sim = self._run(
+            draft,
+            [self.reserve(1, t0, 80, pool="east"), self.reserve(2, t0 + 1, 50, pool="east")],
+        )
+        assert sim.report.policies["east"].replaced == 1
+        assert sum(sim.states["west|pool=west"].buckets.values()) == 50
+        assert sum(sim.states["east|pool=east"].buckets.values()) == 80
