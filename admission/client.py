@@ -117,6 +117,15 @@ def _retry_after_s(response: httpx.Response | None) -> float:
         return 0.0
 
 
+#: The longest an admission service holds an admit (a policy's ``max_delay`` is at most 60 s).
+MAX_HOLD_S = 60.0
+
+
+def _admit_timeout(timeout_s: float) -> httpx.Timeout:
+    """``timeout_s`` for everything but reading an admit's answer, which may be held."""
+    return httpx.Timeout(timeout_s, read=timeout_s + MAX_HOLD_S)
+
+
 class _Base:
     def __init__(
         self, token: str | None, retries: int, backoff_s: float, max_backoff_s: float
@@ -263,6 +272,7 @@ class AdmissionClient(_Base):
     ) -> None:
         super().__init__(token, retries, backoff_s, max_backoff_s)
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
+        self._admit_timeout = _admit_timeout(timeout_s)
 
     def close(self) -> None:
         """Close the connections."""
@@ -274,7 +284,13 @@ class AdmissionClient(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _post(self, path: str, body: dict[str, Any], refusal_ok: bool = False) -> httpx.Response:
+    def _post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        refusal_ok: bool = False,
+        read: httpx.Timeout | None = None,
+    ) -> httpx.Response:
         last: Exception | None = None
         failed: httpx.Response | None = None
         for attempt in range(self.retries + 1):
@@ -282,7 +298,9 @@ class AdmissionClient(_Base):
                 time.sleep(self._wait(attempt - 1, failed))
             failed = None
             try:
-                response = self._http.post(path, json=body, headers=self.headers)
+                response = self._http.post(
+                    path, json=body, headers=self.headers, timeout=read or self._http.timeout
+                )
             except httpx.TransportError as exc:
                 last = exc
                 continue
@@ -308,7 +326,9 @@ class AdmissionClient(_Base):
             "subject": _subject(subject).model_dump(exclude_none=True),
             "estimate": _usage(estimate).model_dump(exclude_none=True),
         }
-        return Decision.model_validate(self._post("/v1/admit", body).json())
+        # A delay policy may hold the answer up to its max_delay: read that long.
+        answer = self._post("/v1/admit", body, read=self._admit_timeout)
+        return Decision.model_validate(answer.json())
 
     def commit(self, reservation_id: str, usage: UsageLike) -> None:
         """Charge the actual usage of a reservation."""
@@ -391,6 +411,7 @@ class AsyncAdmissionClient(_Base):
     ) -> None:
         super().__init__(token, retries, backoff_s, max_backoff_s)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=transport)
+        self._admit_timeout = _admit_timeout(timeout_s)
 
     async def aclose(self) -> None:
         """Close the connections."""
@@ -403,7 +424,11 @@ class AsyncAdmissionClient(_Base):
         await self.aclose()
 
     async def _post(
-        self, path: str, body: dict[str, Any], refusal_ok: bool = False
+        self,
+        path: str,
+        body: dict[str, Any],
+        refusal_ok: bool = False,
+        read: httpx.Timeout | None = None,
     ) -> httpx.Response:
         last: Exception | None = None
         failed: httpx.Response | None = None
@@ -412,7 +437,9 @@ class AsyncAdmissionClient(_Base):
                 await asyncio.sleep(self._wait(attempt - 1, failed))
             failed = None
             try:
-                response = await self._http.post(path, json=body, headers=self.headers)
+                response = await self._http.post(
+                    path, json=body, headers=self.headers, timeout=read or self._http.timeout
+                )
             except httpx.TransportError as exc:
                 last = exc
                 continue
@@ -432,7 +459,9 @@ class AsyncAdmissionClient(_Base):
             "subject": _subject(subject).model_dump(exclude_none=True),
             "estimate": _usage(estimate).model_dump(exclude_none=True),
         }
-        return Decision.model_validate((await self._post("/v1/admit", body)).json())
+        # A delay policy may hold the answer up to its max_delay: read that long.
+        answer = await self._post("/v1/admit", body, read=self._admit_timeout)
+        return Decision.model_validate(answer.json())
 
     async def commit(self, reservation_id: str, usage: UsageLike) -> None:
         """Charge the actual usage of a reservation."""

@@ -10,9 +10,11 @@ import time
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.fixtures.admission import Admission, MakeAdmission
+from admission.client import AsyncAdmissionClient
+from tests.fixtures.admission import Admission, LiveServer, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 
 pytestmark = pytest.mark.integration
@@ -182,3 +184,44 @@ class TestDelay:
         assert adm.publisher.kinds() == []  # type: ignore[attr-defined]
         # And the next request is admitted at once.
         assert (await adm.admit("d", requests=1)).json()["decision"] == "allow"
+
+
+class TestDelayOverHttp:
+    async def test_the_client_reads_a_held_answer_past_its_timeout(
+        self,
+        make_admission: MakeAdmission,
+        policy_factory: PolicyFactory,
+        live_admission: LiveServer,
+    ) -> None:
+        adm = await make_admission()  # the same Redis prefix as the live server
+        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
+        await _full_window(adm, "held", 10, 3000)
+        async with AsyncAdmissionClient(
+            live_admission.url, "tok-all", timeout_s=0.5, retries=0
+        ) as client:
+            decision = await client.admit({"tenant": "d", "model": "m1"}, {"requests": 1})
+        assert decision.decision == "allow"
+        assert decision.delayed_ms is not None and decision.delayed_ms > 1000
+
+    async def test_a_client_that_hangs_up_on_a_real_server_leaves_no_reservation(
+        self,
+        make_admission: MakeAdmission,
+        policy_factory: PolicyFactory,
+        live_admission: LiveServer,
+    ) -> None:
+        adm = await make_admission()
+        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
+        fits_at = await _full_window(adm, "held", 10, 3000)
+        async with httpx.AsyncClient(base_url=live_admission.url, timeout=0.5) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(
+                    "/v1/admit",
+                    json={
+                        "request_id": uuid.uuid4().hex,
+                        "subject": {"tenant": "d", "model": "m1"},
+                        "estimate": {"requests": 1},
+                    },
+                    headers={"Authorization": "Bearer tok-all"},
+                )
+        await asyncio.sleep(max(0.0, (fits_at - time.time() * 1000) / 1000) + 0.5)
+        assert await adm.pending("held|tenant=d") == 0
