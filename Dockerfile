@@ -1,4 +1,4 @@
-# Image for the worker and admission services in docker-compose.yml.
+# Image for the worker, admission and dashboard services in docker-compose.yml.
 FROM python:3.11-slim
 WORKDIR /app
 COPY constraints.txt pyproject.toml README.md ./
@@ -6,4 +6,5 @@ COPY schemas schemas
 COPY streams streams
 COPY admission admission
 COPY spendgate spendgate
+COPY dashboard dashboard
 RUN pip install --no-cache-dir -c constraints.txt .

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from admission.settings import AdmissionSettings
+from dashboard.settings import DashboardSettings
 from streams.settings import WorkerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
@@ -24,7 +25,7 @@ class TestCompose:
         self.services = self.compose["services"]
 
     def test_has_every_service_with_a_health_check(self) -> None:
-        assert set(self.services) == {"kafka", "redis", "worker", "admission"}
+        assert set(self.services) == {"kafka", "redis", "worker", "admission", "dashboard"}
         for name, service in self.services.items():
             assert "healthcheck" in service, name
 
@@ -41,16 +42,23 @@ class TestCompose:
         assert f"{port}:{port}" in self.services["admission"]["ports"]
         metrics = WorkerSettings.model_fields["metrics_port"].default
         assert f"{metrics}:{metrics}" in self.services["worker"]["ports"]
+        dash = DashboardSettings.model_fields["dashboard_port"].default
+        # Published on loopback only: without a tokens file the page is open.
+        assert self.services["dashboard"]["ports"] == [f"127.0.0.1:{dash}:{dash}"]
 
     def test_environment_names_are_settings_fields(self) -> None:
-        for name, settings in (("worker", WorkerSettings), ("admission", AdmissionSettings)):
+        for name, settings in (
+            ("worker", WorkerSettings),
+            ("admission", AdmissionSettings),
+            ("dashboard", DashboardSettings),
+        ):
             env = set(self.services[name]["environment"])
             unknown = env - _env_names(settings)
             assert not unknown, f"{name} sets {unknown}, which {settings.__name__} lacks"
             assert {"SPENDGATE_KAFKA_BOOTSTRAP", "SPENDGATE_REDIS_URL"} <= env
 
     def test_workers_wait_for_healthy_dependencies(self) -> None:
-        for name in ("worker", "admission"):
+        for name in ("worker", "admission", "dashboard"):
             deps = self.services[name]["depends_on"]
             assert deps == {
                 "kafka": {"condition": "service_healthy"},
@@ -64,3 +72,16 @@ class TestCompose:
         assert flags["--appendfsync"] == "everysec"
         assert flags["--maxmemory-policy"] == "noeviction"
         assert self.services["redis"]["volumes"]
+
+
+class TestImage:
+    def test_the_image_copies_every_package_the_build_installs(self) -> None:
+        import tomllib
+
+        root = COMPOSE.parent
+        packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+        dockerfile = (root / "Dockerfile").read_text().splitlines()
+        for package in packages:
+            assert f"COPY {package} {package}" in dockerfile, package
