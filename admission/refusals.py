@@ -5,7 +5,9 @@ The admit path hands it over (:meth:`KafkaRefusals.offer`, O(1), never blocks); 
 background task sends it with ``acks=1`` and never awaits the ack on the admit path. When
 the bounded buffer is full (Kafka slow or down), the refusal is dropped and counted in
 ``spendgate_admission_refusals_dropped_total``; ``simulate`` reports how many were dropped,
-since history is incomplete there.
+since history is incomplete there: once the publisher can send again it publishes a
+:class:`schemas.refusals.RefusalGap` (how many, since when) on the same topic. Drops at
+shutdown are only logged and counted.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
+from datetime import UTC, datetime
 from typing import Protocol
 
 from aiokafka import AIOKafkaProducer
 
 from admission.metrics import REFUSALS
 from schemas.events import partition_key
-from schemas.refusals import Refusal
+from schemas.refusals import Refusal, RefusalGap
 
 __all__ = ["KafkaRefusals", "NoRefusals", "RefusalSink"]
 
@@ -63,6 +67,9 @@ class KafkaRefusals:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.producer: AIOKafkaProducer | None = None
+        #: Refusals dropped since the last gap record, and when the first of them was.
+        self._dropped = 0
+        self._dropped_since_ms = 0
 
     @property
     def depth(self) -> int:
@@ -72,16 +79,40 @@ class KafkaRefusals:
     def offer(self, refusal: Refusal) -> bool:
         """Queue ``refusal`` for sending; when the buffer is full drop it and count it."""
         if self.depth >= self.capacity:
-            REFUSALS.labels(result="dropped").inc()
+            self._drop(1)
             return False
         self._queue.append(refusal)
         self._wakeup.set()
         return True
 
+    def _drop(self, n: int) -> None:
+        REFUSALS.labels(result="dropped").inc(n)
+        if not self._dropped:
+            self._dropped_since_ms = int(time.time() * 1000)
+        self._dropped += n
+
     def _done(self, future: asyncio.Future[object]) -> None:
         self._inflight -= 1
-        failed = future.cancelled() or future.exception() is not None
-        REFUSALS.labels(result="dropped" if failed else "published").inc()
+        if future.cancelled() or future.exception() is not None:
+            self._drop(1)
+        else:
+            REFUSALS.labels(result="published").inc()
+
+    async def _send_gap(self, producer: AIOKafkaProducer) -> None:
+        """Say on the topic how many refusals were dropped since when (best effort)."""
+        n, since_ms = self._dropped, self._dropped_since_ms
+        gap = RefusalGap(
+            dropped=n,
+            since=datetime.fromtimestamp(since_ms / 1000, UTC),
+            until=datetime.now(UTC),
+        )
+        self._dropped = 0
+        try:
+            await producer.send(self.topic, gap.model_dump_json().encode(), key=b"_")
+        except Exception as exc:  # noqa: BLE001 - counted again, said on the next try
+            logger.warning("refusal gap record not published (%s)", exc)
+            self._dropped += n
+            self._dropped_since_ms = since_ms
 
     async def _start(self) -> AIOKafkaProducer:
         while True:
@@ -109,6 +140,8 @@ class KafkaRefusals:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if self._dropped:
+                await self._send_gap(producer)
             refusal = self._queue.popleft()
             self._inflight += 1
             try:
@@ -122,7 +155,7 @@ class KafkaRefusals:
                 if not isinstance(exc, Exception):
                     raise
                 # A refusal is not worth a retry loop: drop it, count it, go on.
-                REFUSALS.labels(result="dropped").inc()
+                self._drop(1)
                 logger.warning("refusal of %s not published (%s)", refusal.request_id, exc)
                 await asyncio.sleep(self.retry_s)
                 continue

@@ -30,7 +30,7 @@ from schemas.exceptions import (
 from schemas.matching import BudgetTarget, PolicyIndex, budget_key, matches, targets
 from schemas.policies import Burst, Policy, validate_against_catalog
 from schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
-from schemas.refusals import Refusal
+from schemas.refusals import Refusal, RefusalGap
 from schemas.units import amount
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "PolicyIndex",
     "PriceCatalog",
     "Refusal",
+    "RefusalGap",
     "ReleaseEvent",
     "ReserveEvent",
     "SignedUsage",

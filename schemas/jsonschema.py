@@ -14,7 +14,7 @@ from schemas.decisions import AdmitRequest, Decision
 from schemas.events import UsageEvent
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
-from schemas.refusals import Refusal
+from schemas.refusals import Refusal, RefusalGap
 
 _DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -30,6 +30,7 @@ _EXPORTS: dict[str, tuple[str, Any, Literal["validation", "serialization"]]] = {
     "alert.json": ("Alert", Alert, "serialization"),
     "dead-letter.json": ("DeadLetter", DeadLetter, "serialization"),
     "refusal.json": ("Refusal", Refusal, "serialization"),
+    "refusal-gap.json": ("RefusalGap", RefusalGap, "serialization"),
 }
 
 

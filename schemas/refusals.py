@@ -28,3 +28,17 @@ class Refusal(BaseModel):
     violated: list[PolicyId] = Field(default_factory=list)
     decision: Literal["reject"] = "reject"
     at: UtcDatetime
+
+
+class RefusalGap(BaseModel):
+    """Refusals admission dropped (buffer full, or a send failed) between ``since`` and
+    ``until``: history is incomplete there. Published on ``budget.refusals`` once the
+    publisher can send again, so ``simulate`` reports them beside what it judged."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = 1
+    kind: Literal["gap"] = "gap"
+    dropped: int = Field(gt=0)
+    since: UtcDatetime
+    until: UtcDatetime

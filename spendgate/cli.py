@@ -297,7 +297,7 @@ def simulate(
             f"{report.unmatched} matching no draft, {report.unjudged} not judgeable); "
             f"{report.dropped_settlements} settlements of refused requests dropped; "
             + (
-                "refusals dropped at publish: not recorded in the log (see "
+                "refusals dropped at publish: none recorded (drops at shutdown: see "
                 'spendgate_admission_refusals_total{result="dropped"} on admission)'
                 if dropped is None
                 else f"refusals dropped at publish: {dropped}"

@@ -51,6 +51,7 @@ from schemas.exceptions import SpendgateError
 from schemas.fastdecode import decode
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
+from schemas.refusals import RefusalGap
 from schemas.windows import WindowSpec, retry_after, total
 from streams.dedupe import IdStore
 from streams.fold import Rules, UsageRecord, fold_usage
@@ -253,8 +254,9 @@ class Report:
     unjudged: int = 0
     #: Commit / extend / release events dropped because the draft refused their request.
     dropped_settlements: int = 0
-    #: Refusals admission dropped before publishing (history incomplete there); None:
-    #: not known from the log (see ``spendgate_admission_refusals_total``).
+    #: Refusals admission dropped before publishing (history incomplete there), from the
+    #: gap records on the refusals topic; None: none recorded (drops at an admission
+    #: process's shutdown are only in ``spendgate_admission_refusals_total``).
     dropped_at_publish: int | None = None
     first_ms: int | None = None
     last_ms: int | None = None
@@ -371,7 +373,6 @@ class Simulation:
         report.first_ms = item.at_ms if report.first_ms is None else report.first_ms
         report.last_ms = item.at_ms
         if item.topic == 1:
-            report.refusal_records += 1
             self._refusal(item)
             return
         report.usage_records += 1
@@ -409,6 +410,12 @@ class Simulation:
     def _refusal(self, item: _Merged) -> None:
         try:
             raw = orjson.loads(item.value)
+            if raw.get("kind") == "gap":
+                gap = RefusalGap.model_validate(raw)
+                known = self.report.dropped_at_publish or 0
+                self.report.dropped_at_publish = known + gap.dropped
+                return
+            self.report.refusal_records += 1
             request_id = str(raw["request_id"])
             subject = Subject.model_validate(raw["subject"])
             usage = Usage.model_validate(raw["estimate"])

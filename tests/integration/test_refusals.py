@@ -6,13 +6,19 @@ import asyncio
 import subprocess
 import time
 import uuid
+from datetime import UTC, datetime
 
 import httpx
 import pytest
 import redis
 
-from schemas.refusals import Refusal
+from admission.refusals import KafkaRefusals
+from schemas.events import Subject, Usage
+from schemas.policies import Policy
+from schemas.refusals import Refusal, RefusalGap
+from spendgate.simulate import simulate
 from streams.settings import WorkerSettings
+from streams.topics import ensure_topics
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_all, window_sum
 from tests.fixtures.pipeline import ApplyPolicies
@@ -92,3 +98,40 @@ class TestRefusalsTopic:
         await asyncio.sleep(1.0)  # had the refusal been charged, 50 more would show by now
         assert window_sum(redis_sync, prefix, key) == 100
         assert pending_sum(redis_sync, prefix, key) == 0
+
+
+class TestRefusalGaps:
+    async def test_dropped_refusals_are_said_on_the_topic_and_simulate_reports_them(
+        self, worker_settings: WorkerSettings
+    ) -> None:
+        await ensure_topics(worker_settings)
+        topic = worker_settings.topic("refusals")
+        sink = KafkaRefusals(worker_settings.kafka_bootstrap, topic, buffer=1)
+        at = datetime.now(UTC)
+        offered = [
+            sink.offer(
+                Refusal(
+                    request_id=f"q{n}",
+                    subject=Subject(tenant="acme"),
+                    estimate=Usage(input_tokens=5),
+                    violated=["p"],
+                    at=at,
+                )
+            )
+            for n in range(3)
+        ]
+        assert offered == [True, False, False]
+        async with sink:
+            assert await sink.flush(10.0)
+        values = await read_all(worker_settings.kafka_bootstrap, topic)
+        gaps = [RefusalGap.model_validate_json(v) for v in values if b'"gap"' in v]
+        kept = [Refusal.model_validate_json(v) for v in values if b'"gap"' not in v]
+        assert [g.dropped for g in gaps] == [2]
+        assert [r.request_id for r in kept] == ["q0"]
+
+        report = await simulate(
+            worker_settings,
+            [Policy.model_validate({"id": "p", "unit": "input_tokens", "limit": 9})],
+        )
+        assert report.dropped_at_publish == 2
+        assert report.refusal_records == 1

@@ -40,6 +40,7 @@ class TestExport:
             "alert.json",
             "dead-letter.json",
             "refusal.json",
+            "refusal-gap.json",
         }
 
     def test_files_are_pretty_sorted_json_with_a_trailing_newline(self) -> None:

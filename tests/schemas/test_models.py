@@ -29,6 +29,7 @@ from schemas import (
     Policy,
     PriceCatalog,
     Refusal,
+    RefusalGap,
     ReleaseEvent,
     ReserveEvent,
     SignedUsage,
@@ -89,6 +90,7 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
         "violated": ["p"],
         "at": AT,
     },
+    RefusalGap: {"dropped": 3, "since": AT, "until": LATER},
 }
 
 
