@@ -4,7 +4,7 @@
 
 const POLL_MS = 1000;
 const PAGE = 50;
-const state = { offset: 0, selected: null, timer: null, matched: 0 };
+const state = { offset: 0, selected: null, timer: null, matched: 0, busy: false };
 const $ = (id) => document.getElementById(id);
 
 function el(tag, attrs, ...children) {
@@ -205,6 +205,8 @@ function query() {
 }
 
 async function refresh() {
+  if (state.busy) return; // a slow answer: skip this tick rather than pile requests up
+  state.busy = true;
   try {
     const [page, live] = await Promise.all([api(`/api/budgets?${query()}`), api("/api/live")]);
     drawBudgets(page);
@@ -212,6 +214,8 @@ async function refresh() {
     await refreshKey();
   } catch (err) {
     $("updated").textContent = `update failed: ${err.message || err}`;
+  } finally {
+    state.busy = false;
   }
 }
 
