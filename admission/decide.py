@@ -14,9 +14,12 @@ Decisions (``POST /v1/admit``), over every policy matching the subject, in one L
   help): ``reject`` (429), nothing reserved anywhere;
 * only ``cap`` policies exceeded: reserve with the largest output that fits every key,
   answered as ``max_output_tokens`` (see :func:`cap_terms` for each unit);
-* a ``downgrade`` policy exceeded (and no reject): the same request with the model
-  replaced by ``downgrade_to`` is checked against the policies matching that subject at
-  that model's prices; it is never downgraded twice.
+* a ``downgrade`` or ``route`` policy exceeded (and no reject): the same request with the
+  model replaced by ``downgrade_to`` (or the pool by ``route_to``) is checked against the
+  policies matching that subject; alternatives are tried in order, never chained;
+* a ``delay`` policy exceeded: the script refuses; :mod:`admission.delay` holds the request
+  and decides again when it fits (:func:`admission.delay.waitable_ms` says when it may);
+* a policy's ``burst``: its token bucket refuses beside the window (same ``on_exceed``).
 
 Redis unreachable, or a window it cannot vouch for: the strictest failure mode among the
 keys concerned wins (closed > degraded > open); see :func:`fallback_answer`.

@@ -90,6 +90,12 @@ class TestBurst:
         # Empty now: the state lives exactly until the bucket is full again (4 / 2 per s).
         assert 1500 <= await adm.redis.pttl(key) <= 2000
         assert (await adm.admit("l", requests=1)).status_code == 429
+        # Reading the budgets shows the bucket and takes nothing from it.
+        for _ in range(2):
+            seen = await adm.http.get("/v1/budgets", params={"tenant": "l", "model": "m1"})
+            (item,) = seen.json()["budgets"]
+            assert item["burst"]["capacity"] == 4 and item["burst"]["remaining"] == 0
+            assert 1 <= item["burst"]["reset_after_seconds"] <= 2
         await adm.redis.delete(key)  # as after a Redis loss
         assert (await adm.admit("l", requests=1)).status_code == 200
 

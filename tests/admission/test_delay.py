@@ -45,13 +45,26 @@ def _policy(policy_factory: PolicyFactory, **fields: Any) -> Any:
     )
 
 
+async def _held(
+    make_admission: MakeAdmission,
+    policy_factory: PolicyFactory,
+    *,
+    limit: int = 10,
+    ages_in_ms: int = 3000,
+    **settings: Any,
+) -> tuple[Admission, int]:
+    """An admission app with the ``held`` delay policy (max_delay 10 s) whose window for
+    ``tenant=d`` is full until about ``ages_in_ms`` from now; and that exact instant."""
+    adm = await make_admission(**settings)
+    await adm.policies(_policy(policy_factory, limit=limit, max_delay="10s"))
+    return adm, await _full_window(adm, "held", limit, ages_in_ms)
+
+
 class TestDelay:
     async def test_a_delayed_request_is_admitted_when_its_bucket_ages_out(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission()
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        fits_at = await _full_window(adm, "held", 10, 3000)
+        adm, fits_at = await _held(make_admission, policy_factory)
         sent = time.time() * 1000
         answer = await adm.admit("d", requests=1)
         answered = time.time() * 1000
@@ -65,9 +78,7 @@ class TestDelay:
     async def test_200_racing_delayed_requests_never_go_over_the_limit(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission()
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        fits_at = await _full_window(adm, "held", 10, 3000)
+        adm, fits_at = await _held(make_admission, policy_factory)
         answers = await asyncio.gather(*(adm.admit("d", requests=1) for _ in range(200)))
         admitted = [a for a in answers if a.status_code == 200]
         refused = [a for a in answers if a.status_code == 429]
@@ -85,9 +96,7 @@ class TestDelay:
     async def test_a_full_wait_queue_refuses_at_once_naming_why(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission(delay_waiters=2)
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        await _full_window(adm, "held", 10, 3000)
+        adm, _ = await _held(make_admission, policy_factory, delay_waiters=2)
         waiting = [asyncio.create_task(adm.admit("d", requests=1)) for _ in range(2)]
         await asyncio.sleep(0.5)
         started = time.monotonic()
@@ -101,9 +110,7 @@ class TestDelay:
     async def test_a_repeat_joins_the_wait_and_never_reserves_twice(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission()
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        await _full_window(adm, "held", 10, 2000)
+        adm, _ = await _held(make_admission, policy_factory, ages_in_ms=2000)
         rid = uuid.uuid4().hex
         first = asyncio.create_task(adm.admit("d", rid, requests=1))
         await asyncio.sleep(0.3)
@@ -116,9 +123,7 @@ class TestDelay:
     async def test_waiters_of_a_key_are_served_in_arrival_order(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission()
-        await adm.policies(_policy(policy_factory, limit=3, max_delay="10s"))
-        await _full_window(adm, "held", 3, 3000)
+        adm, _ = await _held(make_admission, policy_factory, limit=3)
         # Arrivals a little apart; 3 fit once the bucket ages out: the first 3 to arrive.
         tasks = []
         for i in range(6):
@@ -130,9 +135,7 @@ class TestDelay:
     async def test_a_client_that_disconnects_while_held_leaves_no_reservation(
         self, make_admission: MakeAdmission, policy_factory: PolicyFactory
     ) -> None:
-        adm = await make_admission()
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        fits_at = await _full_window(adm, "held", 10, 2000)
+        adm, fits_at = await _held(make_admission, policy_factory, ages_in_ms=2000)
         raw = json.dumps(
             {
                 "request_id": uuid.uuid4().hex,
@@ -193,9 +196,8 @@ class TestDelayOverHttp:
         policy_factory: PolicyFactory,
         live_admission: LiveServer,
     ) -> None:
-        adm = await make_admission()  # the same Redis prefix as the live server
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        await _full_window(adm, "held", 10, 3000)
+        # Policies and window on the same Redis prefix as the live server.
+        await _held(make_admission, policy_factory)
         async with AsyncAdmissionClient(
             live_admission.url, "tok-all", timeout_s=0.5, retries=0
         ) as client:
@@ -209,9 +211,7 @@ class TestDelayOverHttp:
         policy_factory: PolicyFactory,
         live_admission: LiveServer,
     ) -> None:
-        adm = await make_admission()
-        await adm.policies(_policy(policy_factory, limit=10, max_delay="10s"))
-        fits_at = await _full_window(adm, "held", 10, 3000)
+        adm, fits_at = await _held(make_admission, policy_factory)
         async with httpx.AsyncClient(base_url=live_admission.url, timeout=0.5) as http:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(
