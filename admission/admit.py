@@ -42,6 +42,7 @@ from admission.exceptions import (
 )
 from admission.fallback import DegradedLedger, LocalReservation, strictest
 from admission.metrics import (
+    CAPPED_NEXT,
     DECISIONS,
     FALLBACK_ADMITS,
     LATENCY,
@@ -62,7 +63,8 @@ from admission.wire import (
     send_json,
 )
 from schemas.decisions import AdmitRequest
-from schemas.events import ReleaseEvent, UsageEvent
+from schemas.events import ReleaseEvent, Usage, UsageEvent
+from schemas.overage import factor_milli, scaled
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
 from schemas.refusals import Refusal
@@ -157,6 +159,8 @@ class AdmitService:
         try:
             who.check(body.subject.tenant)
             plans = await self.plans(body)
+            if self._planner is not None and self._planner.any_cap_next:
+                body, plans = await self._cap_next(body, plans, self._planner)
             self._check_room(plans[0].charges)
             planner = self._planner
             if planner is not None and planner.any_delay:
@@ -179,6 +183,33 @@ class AdmitService:
             raise
         finally:
             LATENCY.observe(time.perf_counter() - started)
+
+    async def _cap_next(
+        self, body: AdmitRequest, plans: list[Plan], planner: Planner
+    ) -> tuple[AdmitRequest, list[Plan]]:
+        """Scale the estimate by the largest ``overage: cap_next`` factor among the
+        request's keys (``schemas.overage``); the plans and the reserve event then carry the
+        scaled estimate. One MGET, only for requests matching such a policy; Redis
+        unreachable: no scaling (the admit then follows the failure modes)."""
+        charges = [c for c in plans[0].charges if c.target.policy.overage == "cap_next"]
+        if not charges:
+            return body, plans
+        try:
+            marks = await self.store.overage_marks([c.target.key for c in charges])
+        except StoreUnavailable:
+            return body, plans
+        now_ms = int(time.time() * 1000)
+        factor = max(
+            factor_milli(mark, now_ms, c.target.policy.window_ms)
+            for mark, c in zip(marks, charges, strict=True)
+        )
+        if factor <= 1000:
+            return body, plans
+        CAPPED_NEXT.inc()
+        raw = body.estimate.model_dump(exclude_none=True)
+        estimate = Usage.model_validate(scaled(raw, factor))
+        body = body.model_copy(update={"estimate": estimate})
+        return body, planner.plans(body.subject, estimate)
 
     async def _decide(self, body: AdmitRequest, plans: list[Plan]) -> AdmitResult:
         return await self.store.admit(

@@ -291,6 +291,8 @@ class Planner:
         self.terms = {p.id: PolicyTerms.of(p) for p in self.index.policies}
         #: Whether any policy in force may hold a request (``on_exceed: delay``).
         self.any_delay = any(t.delay_ms > 0 for t in self.terms.values())
+        #: Whether any policy scales estimates after an overage (``overage: cap_next``).
+        self.any_cap_next = any(p.overage == "cap_next" for p in self.index.policies)
 
     def charges(self, subject: Subject, estimate: Usage) -> list[Charge]:
         """Every matching policy's key and amount for ``subject`` (sorted by policy id).

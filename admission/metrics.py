@@ -66,6 +66,10 @@ SETTLEMENTS = Counter(
     "Commit and release answers by result: acked (202) or unknown (503, retry safe).",
     ["kind", "result"],
 )
+CAPPED_NEXT = Counter(
+    "spendgate_admission_cap_next_scaled_total",
+    "Admits whose estimate was scaled up after an overage (overage: cap_next).",
+)
 EXTENDS = Counter(
     "spendgate_admission_extends_total",
     "Streaming extends by decision (allow, reject, unvouched)",

@@ -38,11 +38,13 @@ from admission.scripts import (
 )
 from schemas import window_codec, windows
 from schemas.events import Subject, Usage, partition_key
+from schemas.overage import OverageMark
 from schemas.policies import Policy
 from schemas.redis_keys import (
     burst_key,
     extend_key,
     marks_key,
+    overage_key,
     pending_reservations_key,
     pending_window_key,
     policies_key,
@@ -481,6 +483,17 @@ class BudgetStore:
                     absorbed = windows.rebucket(absorbed, decoded.bucket_ms, bucket_ms)
             out.append(windows.merge(absorbed, window_codec.decode_pending(pending, bucket_ms)))
         return out
+
+    async def overage_marks(self, keys: Sequence[str]) -> list[OverageMark | None]:
+        """The last overage of each budget key (``schemas.overage``), None where none.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+            Overloaded: this process is saturated.
+        """
+        names = [overage_key(self.prefix, k) for k in keys]
+        raw = await self._call("overage", lambda: self.client.mget(names))
+        return [OverageMark.decode(v) for v in raw]
 
     async def ping(self) -> bool:
         """True when Redis answers."""

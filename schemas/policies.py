@@ -15,6 +15,7 @@ from schemas.types import (
     FailureMode,
     Mode,
     OnExceed,
+    OverageMode,
     PolicyId,
     SubjectFieldName,
     SubjectValue,
@@ -114,6 +115,7 @@ class Policy(BaseModel):
     max_delay: Duration | None = None
     burst: Burst | None = None
     alerts: list[Threshold] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
+    overage: OverageMode = "record"
     failure: FailureMode = "closed"
     degraded_allowance: Fraction = 0.1
     reservation_ttl: Duration = "15m"

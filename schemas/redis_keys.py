@@ -59,6 +59,13 @@ def extend_key(prefix: str, reservation_id: str, seq: int) -> str:
     return f"{prefix}ext:{seq}:{reservation_id}"
 
 
+def overage_key(prefix: str, key: str) -> str:
+    """The last overage of a budget key (``schemas.overage.OverageMark``: ratio and
+    instant), written by the worker, read by admission for ``overage: cap_next`` policies;
+    expires a window after it was written."""
+    return f"{prefix}ov:{key}"
+
+
 def policies_key(prefix: str) -> str:
     """Hash of the policies in force: field = policy id, value = policy JSON."""
     return f"{prefix}policies"

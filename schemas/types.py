@@ -27,6 +27,7 @@ Mode = Literal["enforce", "observe"]
 OnExceed = Literal["reject", "cap", "downgrade", "route", "delay"]
 FailureMode = Literal["closed", "open", "degraded"]
 Unpriced = Literal["reject", "charge_default"]
+OverageMode = Literal["record", "cap_next"]
 SubjectField = Literal["tenant", "team", "project", "api_key", "user", "model", "pool", "env"]
 
 SUBJECT_FIELDS: tuple[str, ...] = (

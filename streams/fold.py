@@ -34,6 +34,7 @@ from schemas.events import Usage
 from schemas.exceptions import SpendgateError
 from schemas.fastdecode import Event, decode
 from schemas.matching import PolicyIndex
+from schemas.overage import OverageMark, ratio_milli
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
 from schemas.shards import tenant_scoped
@@ -161,6 +162,8 @@ class KeyWrite:
     changed: bool = False
     window_changed: bool = False
     absorbed: dict[str, None] = field(default_factory=dict)
+    #: The key's last overage in this batch, for ``overage: cap_next`` (written to Redis).
+    overage: OverageMark | None = None
     _encoded: tuple[int, bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -307,6 +310,9 @@ class _Fold:
                 return
         self.counts.outcomes[change.outcome] += 1
         touched.changed |= change.outcome != "redelivery"
+        if change.overage is not None:
+            _, reserved, actual = change.overage
+            touched.overage = OverageMark(ratio_milli(reserved, actual), rec.occurred_ms)
         self._mirror(touched, change, rec.spec)
         self.alerts += due
 

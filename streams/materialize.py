@@ -11,6 +11,7 @@ from schemas import window_codec, windows
 from schemas.policies import Policy
 from schemas.redis_keys import (
     marks_key,
+    overage_key,
     pending_reservations_key,
     pending_window_key,
     policies_key,
@@ -164,6 +165,11 @@ class RedisMaterializer:
                     score = self.score(w.key, w.state, w.spec) if window is not None else None
                     args += _absorb_args(window, w.spec, w.version, list(w.absorbed), score)
                 await self._absorb(keys=keys, args=args, client=pipe)
+            for w in writes:
+                if w.overage is not None:
+                    # Read by admission for ``overage: cap_next`` policies (schemas.overage).
+                    name = overage_key(self.prefix, w.key)
+                    pipe.set(name, w.overage.encode(), px=w.spec.window_ms)
             await pipe.execute()
 
     def _absorb_keys(self, key: str) -> list[str]:

@@ -1,16 +1,18 @@
-"""``POST /v1/extend``: grows a reservation on every budget or none, once per sequence number."""
+"""``POST /v1/extend`` (every budget or none, once per sequence number) and ``cap_next``."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from schemas.events import ExtendEvent
+from schemas.overage import OverageMark
 from schemas.policies import Policy
-from schemas.redis_keys import pending_reservations_key
+from schemas.redis_keys import overage_key, pending_reservations_key
 from tests.fixtures.admission import Admission, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 
@@ -150,3 +152,36 @@ class TestExtend:
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "state_unvouched"
         assert await adm.pending(_key(policy)) == 10
+
+
+class TestCapNext:
+    async def test_the_next_estimate_is_scaled_by_the_decaying_ratio(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        chronic = policy_factory(limit=10_000, window="1h", bucket="1m", overage="cap_next")
+        await adm.policies(chronic)
+        key = _key(chronic)
+        # The worker saw a commit at 3x its reservation half a window ago: factor 2.
+        now_ms = int(time.time() * 1000)
+        mark = OverageMark(3000, now_ms - 1_800_000)
+        await adm.redis.set(overage_key(adm.prefix, key), mark.encode())
+        answer = await adm.admit("acme", output_tokens=100, requests=1)
+        assert answer.status_code == 200, answer.text
+        assert 199 <= await adm.pending(key) <= 201  # 100 x ~2 (the factor decays by the ms)
+        reserve = adm.publisher.events[-1]  # type: ignore[attr-defined]
+        assert reserve.kind == "reserve" and reserve.usage.requests == 1
+        assert 199 <= reserve.usage.output_tokens <= 201
+
+    async def test_record_policies_and_fresh_keys_are_not_scaled(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        recorded = policy_factory(limit=10_000, window="1h", bucket="1m")
+        chronic = policy_factory(limit=10_000, window="1h", bucket="1m", overage="cap_next")
+        await adm.policies(recorded, chronic)
+        now_ms = int(time.time() * 1000)
+        await adm.redis.set(overage_key(adm.prefix, _key(recorded)), f"5000:{now_ms}")
+        assert (await adm.admit("acme", output_tokens=100)).status_code == 200
+        assert await adm.pending(_key(recorded)) == 100  # record: only counted, not scaled
+        assert await adm.pending(_key(chronic)) == 100  # cap_next, but no overage on it

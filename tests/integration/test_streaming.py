@@ -135,7 +135,9 @@ class TestOverage:
     ) -> None:
         port = free_port()
         workers.start(metrics_port=port)
-        policy = policy_factory(unit="output_tokens", limit=10_000, window="1h", bucket="1m")
+        policy = policy_factory(
+            unit="output_tokens", limit=10_000, window="1h", bucket="1m", overage="cap_next"
+        )
         await apply_policies(policy)
         key = f"{policy.id}|tenant=acme"
         prefix = worker_settings.redis_prefix
@@ -181,3 +183,17 @@ class TestOverage:
             text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
         assert f'spendgate_overage_total{{policy="{policy.id}"}} 1.0' in text
         assert f'spendgate_overage_amount_total{{policy="{policy.id}"}} 150.0' in text
+        # cap_next: the key's next estimate is held at the observed ratio (2.5, decaying
+        # over the 1 h window: a few seconds later it is still about 2.5).
+        nxt = await admission_client.post(
+            "/v1/admit",
+            json={
+                "request_id": uuid.uuid4().hex,
+                "subject": SUBJECT,
+                "estimate": {"output_tokens": 100},
+            },
+        )
+        assert nxt.status_code == 200, nxt.text
+        (budget,) = nxt.json()["budgets"]
+        assert budget["used"] == 250
+        assert 248 <= budget["reserved"] <= 250

@@ -125,6 +125,8 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"on_exceed": "delay", "max_delay": "2m"}, "max_delay"),
     ({"on_exceed": "delay", "max_delay": "soon"}, "max_delay"),
     ({"on_exceed": "delay", "max_delay": 5}, "max_delay"),
+    ({"overage": "ignore"}, "overage"),
+    ({"overage": True}, "overage"),
 ]
 
 VALID_POLICIES: list[dict[str, Any]] = [
@@ -189,6 +191,7 @@ VALID_POLICIES: list[dict[str, Any]] = [
         "burst": {"rate": 1, "per": "1h", "capacity": 3},
     },
     {"id": "forecast", "unit": "requests", "limit": 2, "forecast": "2h"},
+    {"id": "chronic", "unit": "output_tokens", "limit": 9, "overage": "cap_next"},
 ]
 
 
