@@ -73,14 +73,24 @@ def burn_rate(
     n = lookback_buckets(spec, fraction)
     head = t_ms - t_ms % b
     oldest = head - (n - 1) * b
-    recent = sum(v for s, v in buckets.items() if oldest <= s <= head)
+    if n * 4 < len(buckets):
+        recent = sum(buckets.get(oldest + k * b, 0) for k in range(n))
+    else:
+        recent = sum(v for s, v in buckets.items() if oldest <= s <= head)
     return BurnRate(recent, (n - 1) * b + t_ms % b + 1)
 
 
 def exhausts_in_ms(
-    spec: WindowSpec, buckets: Mapping[int, int], t_ms: int, *, limit: int, rate: BurnRate
+    spec: WindowSpec,
+    buckets: Mapping[int, int],
+    t_ms: int,
+    *,
+    limit: int,
+    rate: BurnRate,
+    horizon_ms: int | None = None,
 ) -> int | None:
-    """The smallest ``d`` in ``[0, window_ms]`` whose projection reaches ``limit``.
+    """The smallest ``d`` in ``[0, min(horizon_ms, window_ms)]`` whose projection reaches
+    ``limit`` (None: none does).
 
     The window total is piecewise in time: it changes only when a bucket enters (its
     start), becomes the boundary bucket (start + window), or leaves (start + window +
@@ -88,31 +98,51 @@ def exhausts_in_ms(
     keeps the full buckets' sum and the boundary bucket; between two of them the total is
     constant (``prorate``: it shrinks within the boundary period, scanned per ms only when
     the period could hold the answer) and the projected new usage only grows, so each
-    piece is solved in O(1): O(n log n) in the key's buckets.
+    piece is solved in O(1). Only the buckets that can age out within the horizon are
+    visited (O(horizon / bucket) lookups) unless some bucket lies after ``t_ms``; and when
+    the usage now plus all the rate can add within the horizon stays under the limit,
+    nothing is visited at all.
     """
-    if total(spec, buckets, t_ms) >= limit:
+    used = total(spec, buckets, t_ms)
+    if used >= limit:
         return 0
-    if rate.recent <= 0:
+    if rate.recent <= 0 or not buckets:
         return None
     w, b = spec.window_ms, spec.bucket_ms
-    end = t_ms + w
+    reach = w if horizon_ms is None else min(w, horizon_ms)
+    end = t_ms + reach
     recent, elapsed = rate.recent, rate.elapsed_ms
+    future = max(buckets) > t_ms
+    if not future and used + recent * reach // elapsed < limit:
+        return None  # ageing only lowers the total: the rate alone cannot get there
+    head = t_ms - t_ms % b
+    edge_start = head - w
+    edge = buckets.get(edge_start, 0)
+    full = used - _boundary_part(spec.boundary, edge, b - 1 - t_ms % b, b)
+    if not edge:
+        edge_start = -1
     # What changes when, after t_ms: a bucket enters (+full), becomes the boundary
     # bucket (-full, edge), leaves (edge gone); include drops its edge one ms early.
     changes: dict[int, list[tuple[int, int]]] = {}
-    full = 0
-    edge_start, edge = -1, 0
-    for s, v in buckets.items():
-        if s <= t_ms < s + w:
-            full += v
-        elif s + w <= t_ms < s + w + b:
-            edge_start, edge = s, v
+
+    def note(s: int) -> None:
         for cut, what in ((s, 0), (s + w, 1), (s + w + b, 2)):
             if t_ms < cut <= end:
                 changes.setdefault(cut, []).append((what, s))
+
+    if future:
+        for s in buckets:
+            note(s)
+    else:
+        # Only buckets that become the boundary, or leave, within the horizon.
+        s = head - w
+        while s + w <= end:
+            if s in buckets:
+                note(s)
+            s += b
     cuts = set(changes)
     cuts.update(c + b - 1 for c in list(changes) if t_ms < c + b - 1 <= end)
-    cuts.add(t_ms - t_ms % b + b - 1)
+    cuts.add(head + b - 1)
     ordered = sorted(c for c in cuts if t_ms < c <= end)
     ordered.append(end + 1)
     lo = t_ms
@@ -148,26 +178,28 @@ def _solve_piece(
     while the full buckets sum to ``full`` and the boundary bucket holds ``edge``."""
     if lo >= hi:
         return None
-    w, b = spec.window_ms, spec.bucket_ms
-
-    def grown(d: int) -> int:
-        return recent * min(d, w) // elapsed
-
-    def part(at: int) -> int:
-        return _boundary_part(spec.boundary, edge, b - 1 - at % b, b)
-
-    if spec.boundary == "prorate" and edge and part(lo) != part(hi - 1):
-        if full + max(part(lo), part(hi - 1)) + grown(hi - 1 - t_ms) < limit:
-            return None  # even its largest total with its largest growth falls short
-        for at in range(lo, hi):
-            if full + part(at) + grown(at - t_ms) >= limit:
-                return at - t_ms
-        return None
-    have = full + part(lo)
+    w, b, boundary = spec.window_ms, spec.bucket_ms, spec.boundary
+    if boundary == "prorate" and edge:
+        first = _boundary_part(boundary, edge, b - 1 - lo % b, b)
+        last = _boundary_part(boundary, edge, b - 1 - (hi - 1) % b, b)
+        if first != last:
+            grown_max = recent * min(hi - 1 - t_ms, w) // elapsed
+            if full + max(first, last) + grown_max < limit:
+                return None  # even its largest total with its largest growth falls short
+            for at in range(lo, hi):
+                part = _boundary_part(boundary, edge, b - 1 - at % b, b)
+                if full + part + recent * min(at - t_ms, w) // elapsed >= limit:
+                    return at - t_ms
+            return None
+        have = full + first
+    elif boundary == "include" and edge and lo % b != b - 1:
+        have = full + edge
+    else:
+        have = full
     need = limit - have
     d = 0 if need <= 0 else -((-need * elapsed) // recent)
     d = max(d, lo - t_ms)
-    if d <= min(hi - 1 - t_ms, w) and have + grown(d) >= limit:
+    if d <= min(hi - 1 - t_ms, w) and have + recent * min(d, w) // elapsed >= limit:
         return d
     return None
 
@@ -179,6 +211,7 @@ def forecast(
     *,
     limit: int,
     fraction: float = FRACTION,
+    horizon_ms: int | None = None,
 ) -> Forecast:
     """The burn rate at ``t_ms`` and when the key exhausts if it goes on.
 
@@ -188,6 +221,9 @@ def forecast(
         t_ms: the instant of the forecast.
         limit: the policy's limit.
         fraction: the share of the window the burn rate looks back over.
+        horizon_ms: look no further than this (default: one window); a later exhaustion
+            is reported as ``None``.
     """
     rate = burn_rate(spec, buckets, t_ms, fraction)
-    return Forecast(rate, exhausts_in_ms(spec, buckets, t_ms, limit=limit, rate=rate))
+    ahead = exhausts_in_ms(spec, buckets, t_ms, limit=limit, rate=rate, horizon_ms=horizon_ms)
+    return Forecast(rate, ahead)

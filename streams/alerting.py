@@ -90,7 +90,9 @@ def evaluate(
     if seq is not None:
         emit("exhausted", None, seq)
     if rec.forecast_ms:
-        ahead = forecast(rec.spec, state.buckets, at_ms, limit=rec.limit).exhausts_in_ms
+        ahead = forecast(
+            rec.spec, state.buckets, at_ms, limit=rec.limit, horizon_ms=rec.forecast_ms
+        ).exhausts_in_ms
         soon = ahead is not None and ahead <= rec.forecast_ms
         seq = _line(state, "forecast", soon)
         if seq is not None:
