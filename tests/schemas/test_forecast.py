@@ -85,6 +85,9 @@ class TestForecastAgainstBruteForce:
                 got = forecast(spec, buckets, t_ms, limit=limit).exhausts_in_ms
                 want = oracle(boundary, events, t_ms, limit)
                 assert got == want, (limit, t_ms, events)
+                # Looking only 7 s ahead finds the same instant when it lies within them.
+                near = forecast(spec, buckets, t_ms, limit=limit, horizon_ms=7_000)
+                assert near.exhausts_in_ms == (want if want is not None and want <= 7_000 else None)
                 outcomes.append(want)
         assert 0 in outcomes  # already exhausted
         if shape != "falling":  # a falling rate may free more than it spends: never heads
