@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -291,4 +292,12 @@ def create_app(
         Route("/api/live", live),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+
+    async def store_down(_: Request, exc: Exception) -> Response:
+        return _error(503, "store_unavailable", f"Redis does not answer: {exc}")
+
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={RedisError: store_down},
+    )

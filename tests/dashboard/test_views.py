@@ -119,3 +119,31 @@ class TestSessions:
         other = sessions.open(who)
         sessions.close(other)
         assert sessions.get(other) is None
+
+
+class TestStoreDown:
+    async def test_an_unreachable_redis_is_a_503_json_error(self) -> None:
+        import httpx
+        import redis.asyncio as aioredis
+
+        from admission.auth import Authorizer
+        from dashboard.app import create_app
+        from dashboard.feeds import Scraper, TopicFeed
+        from dashboard.reader import BudgetReader
+        from schemas.alerts import Alert
+        from schemas.refusals import Refusal
+
+        client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)
+        app = create_app(
+            BudgetReader(client, "x:"),
+            Authorizer(None),
+            TopicFeed("127.0.0.1:1", "t", Alert, 5),
+            TopicFeed("127.0.0.1:1", "t", Refusal, 5),
+            Scraper("http://127.0.0.1:1/", "http://127.0.0.1:1/", 1.0),
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://d") as http:
+            answer = await http.get("/api/budgets")
+        await client.aclose()
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "store_unavailable"
