@@ -170,6 +170,11 @@ class Generation:
         """The model to serve (differs from the requested one on ``downgrade``)."""
         return self.decision.model
 
+    @property
+    def route_to(self) -> str | None:
+        """The pool to serve it on (set when the decision is ``route``)."""
+        return self.decision.route_to
+
     def report(self, usage: UsageLike) -> None:
         """Record the total usage so far (replaces what was reported before)."""
         self.usage = _usage(usage)
