@@ -8,7 +8,7 @@ import itertools
 import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
 
@@ -21,6 +21,26 @@ logger = logging.getLogger(__name__)
 ACKED_MEMORY = 65_536
 #: Event ids per log line of the shutdown report (one line per chunk, none cut).
 IDS_PER_LINE = 500
+
+
+async def start_producer(what: str, retry_s: float, **options: Any) -> AIOKafkaProducer:
+    """Start an aiokafka producer with ``options``, retrying every ``retry_s`` until it
+    starts (the service answers meanwhile); a cancelled start stops what it began."""
+    while True:
+        producer = AIOKafkaProducer(**options)
+        try:
+            await producer.start()
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await producer.stop()
+            raise
+        except Exception as exc:  # noqa: BLE001 - any start failure: retry later
+            logger.warning("%s cannot start (%s); retrying", what, exc)
+            with contextlib.suppress(Exception):
+                await producer.stop()
+            await asyncio.sleep(retry_s)
+            continue
+        return producer
 
 
 class UsagePublisher(Protocol):
@@ -169,28 +189,17 @@ class KafkaPublisher:
         PUBLISH_BUFFER.set(self.depth)
 
     async def _start_producer(self) -> AIOKafkaProducer:
-        while True:
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.bootstrap,
-                enable_idempotence=True,
-                acks="all",
-                linger_ms=2,
-                request_timeout_ms=10_000,
-            )
-            try:
-                await producer.start()
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await producer.stop()
-                raise
-            except Exception as exc:  # noqa: BLE001 - any start failure: retry later
-                logger.warning("Kafka producer cannot start (%s); retrying", exc)
-                with contextlib.suppress(Exception):
-                    await producer.stop()
-                await asyncio.sleep(self.retry_s)
-                continue
-            self.connected = True
-            return producer
+        producer = await start_producer(
+            "Kafka producer",
+            self.retry_s,
+            bootstrap_servers=self.bootstrap,
+            enable_idempotence=True,
+            acks="all",
+            linger_ms=2,
+            request_timeout_ms=10_000,
+        )
+        self.connected = True
+        return producer
 
     async def _run(self) -> None:
         self.producer = producer = await self._start_producer()

@@ -23,6 +23,7 @@ from typing import Protocol
 from aiokafka import AIOKafkaProducer
 
 from admission.metrics import REFUSALS
+from admission.publisher import start_producer
 from schemas.events import partition_key
 from schemas.refusals import Refusal, RefusalGap
 
@@ -115,23 +116,14 @@ class KafkaRefusals:
             self._dropped_since_ms = since_ms
 
     async def _start(self) -> AIOKafkaProducer:
-        while True:
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.bootstrap, acks=1, linger_ms=5, request_timeout_ms=10_000
-            )
-            try:
-                await producer.start()
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await producer.stop()
-                raise
-            except Exception as exc:  # noqa: BLE001 - any start failure: retry later
-                logger.warning("refusals producer cannot start (%s); retrying", exc)
-                with contextlib.suppress(Exception):
-                    await producer.stop()
-                await asyncio.sleep(self.retry_s)
-                continue
-            return producer
+        return await start_producer(
+            "refusals producer",
+            self.retry_s,
+            bootstrap_servers=self.bootstrap,
+            acks=1,
+            linger_ms=5,
+            request_timeout_ms=10_000,
+        )
 
     async def _run(self) -> None:
         self.producer = producer = await self._start()

@@ -147,19 +147,44 @@ def judge(charges: Sequence[Charge], totals: Sequence[int], estimate_output: int
     return Verdict(False, (), output, tuple(capped))
 
 
-@dataclass
-class KeyReport:
-    """One draft budget key over the history."""
+@dataclass(kw_only=True)
+class Tally:
+    """Requests seen, refused (how many, which units, first and last time) and capped."""
 
-    policy: str
-    key: str
-    limit: int
     requests: int = 0
     refused: int = 0
     refused_units: int = 0
     capped: int = 0
     first_refusal: datetime | None = None
     last_refusal: datetime | None = None
+
+    def refuse(self, at: datetime, units: int) -> None:
+        """Count one refusal of ``units`` at ``at``."""
+        self.refused += 1
+        self.refused_units += units
+        self.first_refusal = self.first_refusal or at
+        self.last_refusal = at
+
+    def tally_json(self) -> dict[str, Any]:
+        """The counts as JSON values."""
+        return {
+            "requests": self.requests,
+            "refused": self.refused,
+            "refused_share": self.refused / self.requests if self.requests else 0.0,
+            "refused_units": self.refused_units,
+            "capped": self.capped,
+            "first_refusal": _iso(self.first_refusal),
+            "last_refusal": _iso(self.last_refusal),
+        }
+
+
+@dataclass
+class KeyReport(Tally):
+    """One draft budget key over the history."""
+
+    policy: str
+    key: str
+    limit: int
     peak_used: int = 0
     over_high_s: float = 0.0
     #: (ms, window total after the request, refused) at each judged request, for the chart.
@@ -178,13 +203,7 @@ class KeyReport:
             "policy": self.policy,
             "key": self.key,
             "limit": self.limit,
-            "requests": self.requests,
-            "refused": self.refused,
-            "refused_share": self.refused / self.requests if self.requests else 0.0,
-            "refused_units": self.refused_units,
-            "capped": self.capped,
-            "first_refusal": _iso(self.first_refusal),
-            "last_refusal": _iso(self.last_refusal),
+            **self.tally_json(),
             "peak_used": self.peak_used,
             "peak_utilization": round(self.peak_utilization, 6),
             "seconds_over_80pct": round(self.over_high_s, 3),
@@ -192,20 +211,14 @@ class KeyReport:
 
 
 @dataclass
-class PolicyReport:
+class PolicyReport(Tally):
     """One draft policy over the history: requests it saw, refused, when."""
 
     policy: Policy
-    requests: int = 0
-    refused: int = 0
-    refused_units: int = 0
-    capped: int = 0
     #: Requests this policy refused at first that were admitted after a wait (``delay``)
     #: or with the model or pool replaced (``downgrade``, ``route``).
     delayed: int = 0
     replaced: int = 0
-    first_refusal: datetime | None = None
-    last_refusal: datetime | None = None
     keys: dict[str, KeyReport] = field(default_factory=dict)
 
     def top_keys(self, n: int) -> list[KeyReport]:
@@ -221,15 +234,9 @@ class PolicyReport:
             "unit": self.policy.unit,
             "limit": self.policy.limit,
             "window": self.policy.window,
-            "requests": self.requests,
-            "refused": self.refused,
-            "refused_share": self.refused / self.requests if self.requests else 0.0,
-            "refused_units": self.refused_units,
-            "capped": self.capped,
+            **self.tally_json(),
             "delayed": self.delayed,
             "downgraded_or_routed": self.replaced,
-            "first_refusal": _iso(self.first_refusal),
-            "last_refusal": _iso(self.last_refusal),
             "peak_utilization": round(peak, 6),
             "seconds_over_80pct": round(sum(k.over_high_s for k in self.keys.values()), 3),
             "keys": len(self.keys),
@@ -331,7 +338,7 @@ class Simulation:
         self.specs = {p.id: WindowSpec(p.window_ms, p.bucket_ms, p.boundary) for p in draft}
         self.states: dict[str, KeyState] = {}
         self.ids = IdStore(None, dedupe_horizon_ms)
-        self.report = Report({p.id: PolicyReport(p) for p in draft})
+        self.report = Report({p.id: PolicyReport(policy=p) for p in draft})
         self.refused_reservations: set[str] = set()
         #: reservation id -> the output cap the draft put on it.
         self.capped: dict[str, int] = {}
@@ -476,7 +483,9 @@ class Simulation:
             pr = report.policies[policy.id]
             kr = pr.keys.get(c.target.key)
             if kr is None:
-                kr = pr.keys[c.target.key] = KeyReport(policy.id, c.target.key, policy.limit)
+                kr = pr.keys[c.target.key] = KeyReport(
+                    policy=policy.id, key=c.target.key, limit=policy.limit
+                )
             pr.requests += 1
             kr.requests += 1
             refused_here = verdict.refused and policy.id in verdict.violated
@@ -484,13 +493,8 @@ class Simulation:
             used_after = totals[i] + (verdict.amounts[i] if held_here else 0)
             _track(kr, at_ms, used_after, refused_here)
             if refused_here:
-                pr.refused += 1
-                kr.refused += 1
-                pr.refused_units += c.amount
-                kr.refused_units += c.amount
-                pr.first_refusal = pr.first_refusal or at
-                kr.first_refusal = kr.first_refusal or at
-                pr.last_refusal = kr.last_refusal = at
+                pr.refuse(at, c.amount)
+                kr.refuse(at, c.amount)
             elif verdict.max_output_tokens is not None and verdict.amounts[i] < c.amount:
                 pr.capped += 1
                 kr.capped += 1
