@@ -215,6 +215,14 @@ class Stream(Generation):
                 add[name] = max(need, getattr(self.step, name))
         return Usage(**add) if add else None
 
+    def _begin(self, usage: UsageLike) -> Usage | bool:
+        """Record ``usage``; the extend it needs, or the answer when it needs none."""
+        self.usage = _usage(usage)
+        if self.stopped:
+            return False
+        add = self._needed(self.usage)
+        return True if add is None else add
+
     def _body(self, add: Usage) -> dict[str, Any]:
         self.seq += 1
         return {
@@ -242,17 +250,10 @@ class AsyncStream(Stream):
         self._client = client
 
     async def report(self, usage: UsageLike) -> bool:  # type: ignore[override]
-        """Record the usage so far; extend when it passes what is reserved.
-
-        Returns:
-            False once an extend was refused (stop the generation), else True.
-        """
-        self.usage = _usage(usage)
-        if self.stopped:
-            return False
-        add = self._needed(self.usage)
-        if add is None:
-            return True
+        """As :meth:`SyncStream.report`."""
+        add = self._begin(usage)
+        if isinstance(add, bool):
+            return add
         response = await self._client._post("/v1/extend", self._body(add), refusal_ok=True)
         return self._answered(add, response)
 
@@ -544,11 +545,8 @@ class SyncStream(Stream):
         Returns:
             False once an extend was refused (stop the generation), else True.
         """
-        self.usage = _usage(usage)
-        if self.stopped:
-            return False
-        add = self._needed(self.usage)
-        if add is None:
-            return True
+        add = self._begin(usage)
+        if isinstance(add, bool):
+            return add
         response = self._client._post("/v1/extend", self._body(add), refusal_ok=True)
         return self._answered(add, response)

@@ -374,21 +374,8 @@ end
 -- Milliseconds until every amount counted now (absorbed and pending) has aged out,
 -- assuming no new usage and this request's reservation in the current bucket.
 local function reset_after(x)
-  local head = now - window_mod(now, x.bucket)
-  local oldest = head - x.window
-  if x.boundary == 'exclude' then oldest = oldest + x.bucket end
-  local last = nil
-  for i = 1, x.count do
-    if x.amounts[i] ~= 0 and x.starts[i] >= oldest then
-      if last == nil or x.starts[i] > last then last = x.starts[i] end
-    end
-  end
-  if x.own > 0 and (last == nil or head > last) then last = head end
-  if last == nil then return 0 end
-  local gone = last + x.window
-  if x.boundary ~= 'exclude' then gone = gone + x.bucket - 1 end
-  if gone < now then return 0 end
-  return gone - now
+  return window_reset_after(x.starts, x.amounts, x.count, now, x.window, x.bucket, x.boundary,
+                            x.own)
 end
 
 -- Earliest wait (ms) until every refusing enforce key (or observe key) fits the estimate,
@@ -676,24 +663,6 @@ for j = 1, n do
 end
 local outcome = 1
 if unvouched then outcome = 5 elseif refused then outcome = 0 end
--- Milliseconds until every amount counted now has aged out (as ADMIT's reset_after).
-local function reset_after(x, own)
-  local head = now - window_mod(now, x.bucket)
-  local oldest = head - x.window
-  if x.boundary == 'exclude' then oldest = oldest + x.bucket end
-  local last = nil
-  for i = 1, x.count do
-    if x.amounts[i] ~= 0 and x.starts[i] >= oldest then
-      if last == nil or x.starts[i] > last then last = x.starts[i] end
-    end
-  end
-  if own > 0 and (last == nil or head > last) then last = head end
-  if last == nil then return 0 end
-  local gone = last + x.window
-  if x.boundary ~= 'exclude' then gone = gone + x.bucket - 1 end
-  if gone < now then return 0 end
-  return gone - now
-end
 local answer = {outcome, now, n}
 for j = 1, n do
   local x = targets[j]
@@ -703,7 +672,8 @@ for j = 1, n do
   answer[#answer + 1] = x.reserved
   answer[#answer + 1] = own
   answer[#answer + 1] = x.violated and 1 or 0
-  answer[#answer + 1] = reset_after(x, own)
+  answer[#answer + 1] = window_reset_after(x.starts, x.amounts, x.count, now, x.window,
+                                          x.bucket, x.boundary, own)
   answer[#answer + 1] = x.state
 end
 if outcome == 1 then

@@ -13,6 +13,9 @@ runs both on thousands of random cases) and provides:
 * ``window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total``.
 * ``window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
   extra, amount) -> fits_at_ms | nil, never_fits``: as ``schemas.windows.retry_after``.
+* ``window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, own) ->
+  ms``: until every amount counted at ``t_ms`` (and a reservation of ``own`` > 0 in the
+  bucket of ``t_ms``) has aged out; the ``reset_after_seconds`` of the answers.
 * ``window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
   n, absorbed, pending_part, stale``: decode the absorbed window ``raw`` and add the
   pending window (an ``HGETALL`` reply, see ``schemas.window_codec.decode_pending``)
@@ -227,6 +230,26 @@ end
 
 -- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
 -- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
+-- Milliseconds from t_ms until every amount counted at t_ms has aged out, assuming no new
+-- usage and, when own > 0, a reservation of the caller's in the bucket of t_ms.
+local function window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, own)
+  local head = t_ms - window_mod(t_ms, bucket_ms)
+  local oldest = head - window_ms
+  if boundary == 'exclude' then oldest = oldest + bucket_ms end
+  local last = nil
+  for i = 1, n do
+    if amounts[i] ~= 0 and starts[i] >= oldest then
+      if last == nil or starts[i] > last then last = starts[i] end
+    end
+  end
+  if own > 0 and (last == nil or head > last) then last = head end
+  if last == nil then return 0 end
+  local gone = last + window_ms
+  if boundary ~= 'exclude' then gone = gone + bucket_ms - 1 end
+  if gone < t_ms then return 0 end
+  return gone - t_ms
+end
+
 local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary)
   local starts, amounts, n = window_decode(raw, bucket_ms)
   local absorbed = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)

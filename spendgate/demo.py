@@ -6,7 +6,7 @@ late usage reports (commits and refunds with an ``occurred_at`` in the past, pub
 straight to Kafka as an inference worker reporting after the fact would); and the
 enforcement actions once each on tenant ``hooli`` (``examples/demo-policies.yaml``): a
 burst cut by a token bucket, a request held by ``delay`` until it fits, one ``route``d to
-another pool. A live table
+another pool, a stream stopped by a refused extend, and an overage. A live table
 shows every budget key; at the end a PNG chart shows usage against limit over time per
 budget key, with refusals marked.
 """
@@ -21,6 +21,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -317,6 +318,7 @@ async def _showcase(http: httpx.AsyncClient, tally: Tally, clock: _Clock, second
         f"route: third request on gpu-east answered {body.get('decision')}"
         f" -> {body.get('route_to')}"
     )
+    await _stream_and_overage(http, say)
     # delay: 2 haiku now fill the 30 s window; one more ~22 s later is held until it fits.
     await asyncio.gather(admit("claude-haiku-4"), admit("claude-haiku-4"))
     wait = max(0.0, min(seconds - 12, clock.now() + 22) - clock.now())
@@ -327,6 +329,68 @@ async def _showcase(http: httpx.AsyncClient, tally: Tally, clock: _Clock, second
         f"delay: answered {held.get('decision')} after {held.get('delayed_ms', 0)} ms"
         + (f" ({held['reason']})" if held.get("reason") else "")
     )
+
+
+async def _stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]) -> None:
+    """A stream stopped by a refused extend, then an overage (policy hooli-stream-output)."""
+
+    def subject(key: str) -> dict[str, str]:
+        return {"tenant": "hooli", "api_key": key, "model": "claude-opus-4"}
+
+    async def admit(key: str, output_tokens: int) -> httpx.Response:
+        return await http.post(
+            "/v1/admit",
+            json={
+                "request_id": uuid.uuid4().hex,
+                "subject": subject(key),
+                "estimate": {"requests": 1, "output_tokens": output_tokens},
+            },
+        )
+
+    async def commit(rid: str, output_tokens: int) -> None:
+        usage = {"requests": 1, "output_tokens": output_tokens}
+        await http.post("/v1/commit", json={"reservation_id": rid, "usage": usage})
+
+    # Reserve 300 output tokens, then 300 more before each chunk would pass the reservation.
+    first = await admit("hooli-stream-a", 300)
+    if first.status_code != 200:
+        say("stream: not admitted (policy hooli-stream-output not applied?)")
+        return
+    rid, reserved, used, seq = first.json()["reservation_id"], 300, 0, 0
+    refusal: dict[str, Any] = {}
+    while used < 10_000:
+        if used + 100 > reserved:
+            seq += 1
+            body = {"reservation_id": rid, "seq": seq, "add": {"output_tokens": 300}}
+            grown = await http.post("/v1/extend", json=body)
+            if grown.status_code != 200:
+                refusal = grown.json()
+                break
+            reserved += 300
+        used += 100  # one chunk generated
+    await commit(rid, used)
+    violated = refusal.get("violated", [])
+    left = {
+        b["policy"]: b["remaining"] for b in refusal.get("budgets", []) if b["policy"] in violated
+    }
+    say(
+        f"stream: {seq - 1} extends granted, stopped at {used} output tokens when extend {seq} "
+        f"was refused (remaining {left}); committed {used}"
+    )
+    # Overage: estimated 200, used 500.
+    over = await admit("hooli-stream-b", 200)
+    if over.status_code == 200:
+        await commit(over.json()["reservation_id"], 500)
+        await asyncio.sleep(3)  # the worker records the overage
+        again = await admit("hooli-stream-b", 200)
+        budgets = again.json().get("budgets", [])
+        held = next((b["reserved"] for b in budgets if b["policy"] == "hooli-stream-output"), "?")
+        if again.status_code == 200:
+            await commit(again.json()["reservation_id"], 200)
+        say(
+            "overage: estimated 200, committed 500: charged in full, an overage alert "
+            f"(spendgate alerts tail); cap_next holds the next 200 estimate at {held}"
+        )
 
 
 async def _poll_budgets(
