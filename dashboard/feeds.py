@@ -26,15 +26,23 @@ M = TypeVar("M", bound=BaseModel)
 class TopicFeed(Generic[M]):
     """Keeps the latest ``size`` records of a topic (each parsed as ``model``), following
     it; starts ``size`` records back from the end of each partition. A topic that does
-    not exist yet is looked for again every few seconds."""
+    not exist yet is looked for again every few seconds. With ``identity``, a record
+    whose identity is already kept is skipped (a refusal retried by its client)."""
 
-    def __init__(self, bootstrap: str, topic: str, model: type[M], size: int) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        model: type[M],
+        size: int,
+        identity: Callable[[M], str] | None = None,
+    ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.model = model
+        self.identity = identity
         self.items: deque[M] = deque(maxlen=size)
-        #: Bumped with every record kept (the page asks for what is new since).
-        self.seq = 0
+        self._kept: set[str] = set()
 
     async def run(self) -> None:
         """Follow the topic until cancelled, reconnecting after broker errors."""
@@ -53,6 +61,9 @@ class TopicFeed(Generic[M]):
             if not tps:
                 return  # not created yet
             await assign(consumer, tps)
+            # Read again from ``size`` back: what was kept before a reconnect comes again.
+            self.items.clear()
+            self._kept.clear()
             ends = await consumer.end_offsets(tps)
             for tp in tps:
                 consumer.seek(tp, max(0, ends[tp] - (self.items.maxlen or 0)))
@@ -67,10 +78,17 @@ class TopicFeed(Generic[M]):
     def keep(self, raw: bytes) -> None:
         """Parse and keep one record (one not of this model is skipped)."""
         try:
-            self.items.append(self.model.model_validate_json(raw))
+            item = self.model.model_validate_json(raw)
         except ValidationError:
             return
-        self.seq += 1
+        if self.identity is not None:
+            ident = self.identity(item)
+            if ident in self._kept:
+                return
+            if len(self.items) == self.items.maxlen:
+                self._kept.discard(self.identity(self.items[0]))  # about to leave
+            self._kept.add(ident)
+        self.items.append(item)
 
 
 class Scraper:

@@ -30,8 +30,13 @@ def build_app(settings: DashboardSettings) -> Starlette:
     alerts = TopicFeed(
         settings.kafka_bootstrap, settings.topic("alerts"), Alert, settings.feed_size
     )
+    # A client retrying after a 429 publishes the same refusal again: count it once.
     refusals = TopicFeed(
-        settings.kafka_bootstrap, settings.topic("refusals"), Refusal, settings.feed_size
+        settings.kafka_bootstrap,
+        settings.topic("refusals"),
+        Refusal,
+        settings.feed_size,
+        identity=lambda r: f"{r.subject.tenant}|{r.request_id}",
     )
     scraper = Scraper(
         settings.admission_metrics_url, settings.worker_metrics_url, settings.scrape_s

@@ -147,3 +147,38 @@ class TestStoreDown:
         await client.aclose()
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "store_unavailable"
+
+
+class TestTopicFeed:
+    @staticmethod
+    def refusal(request_id: str, tenant: str = "a") -> bytes:
+        import json
+
+        return json.dumps(
+            {
+                "request_id": request_id,
+                "subject": {"tenant": tenant},
+                "estimate": {"requests": 1},
+                "violated": ["p"],
+                "at": "2026-11-30T12:00:00Z",
+            }
+        ).encode()
+
+    def test_keeps_the_latest_and_counts_a_retried_refusal_once(self) -> None:
+        from dashboard.feeds import TopicFeed
+        from schemas.refusals import Refusal
+
+        feed = TopicFeed(
+            "127.0.0.1:1", "t", Refusal, 3, identity=lambda r: f"{r.subject.tenant}|{r.request_id}"
+        )
+        for rid in ("r1", "r1", "r2", "r3", "r2", "r4"):
+            feed.keep(self.refusal(rid))
+        feed.keep(self.refusal("r4", tenant="b"))  # another tenant's request id
+        feed.keep(b"not json")
+        assert [(r.subject.tenant, r.request_id) for r in feed.items] == [
+            ("a", "r3"),
+            ("a", "r4"),
+            ("b", "r4"),
+        ]
+        feed.keep(self.refusal("r1"))  # r1 left the window of 3: kept again
+        assert feed.items[-1].request_id == "r1"
