@@ -260,4 +260,16 @@ class TestSimulate:
         body = json.loads(done.stdout)
         assert body["policies"][0]["refused"] == pr.refused
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        table = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "spendgate", "simulate", "--policies", str(draft_file),
+             "--compare"],
+            env={**env, "COLUMNS": "250"}, capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert table.returncode == 0, table.stderr.decode()
+        text = table.stdout.decode()
+        # No policy is in force on this test's topics: the draft stands beside "(none)".
+        assert "in force" in text and "(none)" in text
+        assert f"draft-tenant|tenant={TENANTS[0]}" in text or "draft-tenant|tenant=" in text
+        assert f"{report.requests} requests judged" in text
         assert await end_offsets(worker_settings) == topics_before

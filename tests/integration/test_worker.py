@@ -238,3 +238,39 @@ class TestMetrics:
         assert value("spendgate_dead_lettered_total") == 1
         assert value("spendgate_processing_lag_seconds_count") >= 2
         assert value("spendgate_consumer_offset") >= 3
+
+
+class TestForecastAlerts:
+    async def test_a_forecast_alert_fires_once_and_replay_finds_the_same_id(
+        self,
+        worker: subprocess.Popen[bytes],
+        worker_settings: WorkerSettings,
+        apply_policies: ApplyPolicies,
+        policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
+    ) -> None:
+        policy = policy_factory(
+            unit="input_tokens", limit=1000, window="1h", bucket="1m", alerts=[], forecast="30m"
+        )
+        await apply_policies(policy)
+        now = datetime.now(UTC)
+        # 300 spent over the last 6 minutes (the burn rate's tenth of the window): ~50 a
+        # minute, so the 700 left last ~14 minutes, within the 30 m horizon.
+        spent = [event(at=now - timedelta(minutes=m), usage={"input_tokens": 50}) for m in range(6)]
+        await send(worker_settings, *reversed(spent))
+        key = f"{policy.id}|tenant=acme"
+        await eventually(lambda: window_sum(redis_sync, worker_settings.redis_prefix, key) == 300)
+        live: list[Alert] = []
+        for _ in range(150):
+            values = await read_all(
+                worker_settings.kafka_bootstrap, worker_settings.topic("alerts")
+            )
+            live = [Alert.model_validate_json(v) for v in values]
+            if live:
+                break
+            await asyncio.sleep(0.2)
+        (alert,) = live
+        assert alert.kind == "forecast" and alert.key == key
+        assert alert.exhausts_in_seconds is not None and 0 < alert.exhausts_in_seconds <= 1800
+        rebuilt = await replay(worker_settings, verify=True)
+        assert [a.alert_id for a in rebuilt.alerts] == [alert.alert_id]
