@@ -136,17 +136,9 @@ class BudgetReader:
         deleted, leaves the index."""
         if not keys:
             return []
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            for key in keys:
-                pipe.get(window_key(self.prefix, key))
-                pipe.hgetall(pending_window_key(self.prefix, key))
-            replies = await pipe.execute()
-        seconds, micros = replies[0]
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        now_ms, held = await self._windows(keys)
         rows, gone = [], []
-        for i, key in enumerate(keys):
-            window, pending = replies[1 + 2 * i], replies[2 + 2 * i]
+        for key, (window, pending) in zip(keys, held, strict=True):
             p = policies.get(parse_key(key)[0])
             if p is None or (window is None and not pending):
                 # Its policy was deleted, or its window expired: it leaves the index.
@@ -162,15 +154,21 @@ class BudgetReader:
         p = (await self.policies()).get(parse_key(key)[0])
         if p is None:
             return None
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.get(window_key(self.prefix, key))
-            pipe.hgetall(pending_window_key(self.prefix, key))
-            (seconds, micros), window, pending = await pipe.execute()
+        now_ms, [(window, pending)] = await self._windows([key])
         if window is None and not pending:
             return None
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
         return key_row(key, p, window, pending, now_ms), window_series(p, window, pending, now_ms)
+
+    async def _windows(self, keys: list[str]) -> tuple[int, list[tuple[Any, Any]]]:
+        """The Redis clock (ms) and each key's window and pending window, read together."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            for key in keys:
+                pipe.get(window_key(self.prefix, key))
+                pipe.hgetall(pending_window_key(self.prefix, key))
+            (seconds, micros), *replies = await pipe.execute()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return now_ms, list(zip(replies[::2], replies[1::2], strict=True))
 
     def owner(self, key: str, policies: dict[str, Policy]) -> tuple[bool, str | None]:
         """Whether ``key``'s policy is in force, and the tenant the key belongs to."""
