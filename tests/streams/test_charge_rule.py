@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas.windows import BOUNDARIES, WindowSpec, retry_after, settle, total
+from streams.fold import _may_outgrow
 from streams.ledger import KeyedRecord, KeyState, apply
 from tests.schemas import reference
 
@@ -187,3 +188,42 @@ class TestExamples:
         change = apply(state, record("commit", 71_000, 25, spec))
         assert state.buckets == {70_000: 26}
         assert change.overage is None
+
+
+class TestOrderAndBounds:
+    SPEC = WindowSpec(60_000, 5_000)
+
+    def test_an_extend_before_its_reserve_is_charged_and_the_reserve_joins_it(self) -> None:
+        # A reserve republished late by the sweeper reaches the log after its extend.
+        state = KeyState()
+        apply(state, record("extend", 6_000, 20, self.SPEC, event_id="extend-1-r1"))
+        assert state.reservations["r1"].expires_ms == 0  # no expiry alert before the reserve
+        apply(state, record("reserve", 1_000, 10, self.SPEC, expires_ms=900_000))
+        held = state.reservations["r1"]
+        assert (held.estimate, held.reserved, held.expires_ms) == (10, 30, 900_000)
+        change = apply(state, record("commit", 7_000, 15, self.SPEC))
+        # Oldest first: the reserve's slice (bucket 0) is kept, the extend's refunded to 5.
+        assert state.buckets == {0: 10, 5_000: 5}
+        assert change.overage is None
+
+    def test_an_extend_after_its_commit_charges_nothing(self) -> None:
+        state = KeyState()
+        apply(state, record("reserve", 1_000, 10, self.SPEC, expires_ms=900_000))
+        apply(state, record("commit", 2_000, 10, self.SPEC))
+        late = record("extend", 3_000, 20, self.SPEC, event_id="extend-1-r1", settled=True)
+        change = apply(state, late)
+        assert state.buckets == {0: 10} and state.reservations == {}
+        assert change.absorbed == "extend-1-r1"  # its pending entry still leaves Redis
+
+    def test_a_long_stream_keeps_one_slice_per_bucket_and_its_size_bound_holds(self) -> None:
+        state = KeyState()
+        apply(state, record("reserve", 0, 10, self.SPEC, expires_ms=10**9))
+        for seq in range(1, 400):  # an extend every second for 400 s on a 60 s window
+            rec = record("extend", seq * 1_000, 7, self.SPEC, event_id=f"extend-{seq}-r1")
+            before = KeyState.from_bytes(state.to_bytes())
+            apply(state, rec)
+            # The fold's cheap size bound never under-estimates the state a record makes.
+            assert _may_outgrow(before, rec, len(state.to_bytes()) - 1)
+        held = state.reservations["r1"]
+        assert len(held.slices) <= 60_000 // 5_000 + 1  # one per bucket still in the window
+        assert held.reserved == 10 + 399 * 7

@@ -191,3 +191,20 @@ class TestFanOutWithIds:
         out = self.run(ids, reserve, 1)
         assert [r.settled for r in out.records] == [True]  # type: ignore[attr-defined]
         ids.close()
+
+    def test_an_extend_after_its_commit_is_marked_settled_and_settles_nothing(
+        self, tmp_path: Path
+    ) -> None:
+        ids = IdStore(tmp_path / "ids", HOUR)
+        extend = self.raw(event_id="extend-1-r1", kind="extend", reservation_id="r1", seq=1)
+        self.run(ids, extend, 0)
+        reserve = self.raw(
+            event_id="r", kind="reserve", reservation_id="r1", expires_at="2027-01-15T08:15:00Z"
+        )
+        after = self.run(ids, reserve, 1)  # an extend does not settle its reservation
+        assert [r.settled for r in after.records] == [False]  # type: ignore[attr-defined]
+        self.run(ids, self.raw(event_id="c", reservation_id="r1"), 2)
+        late = self.raw(event_id="extend-2-r1", kind="extend", reservation_id="r1", seq=2)
+        out = self.run(ids, late, 3)
+        assert [r.settled for r in out.records] == [True]  # type: ignore[attr-defined]
+        ids.close()
