@@ -108,13 +108,13 @@ def _v1_value(state: Any) -> bytes:
     """``state`` in the version 1 JSON layout, without the event ids version 1 also kept."""
     import orjson
 
-    from streams.ledger import KeyState
+    from streams.ledger import KeyState, _hold_json
 
     value = orjson.dumps(
         {
             "b": {str(k): v for k, v in state.buckets.items()},
             "seen": {},
-            "res": {k: list(v) for k, v in state.reservations.items()},
+            "res": {k: _hold_json(v) for k, v in state.reservations.items()},
             "settled": {},
             "hwm": state.high_ms,
             "bw": state.bucket_ms,
