@@ -9,7 +9,7 @@ import orjson
 from admission.decide import Planner
 from schemas.events import Subject, Usage
 from schemas.policies import Policy
-from spendgate.simulate import Simulation, _Merged, judge, unsupported
+from spendgate.simulation import Merged, Simulation, judge, unsupported
 
 
 def policy(pid: str, **fields: object) -> Policy:
@@ -61,7 +61,7 @@ class TestActions:
         sim = Simulation(draft, None, 86_400_000)
         try:
             for n, (at, body) in enumerate(events):
-                sim.feed(_Merged(at, n, 0, at, orjson.dumps(body)))
+                sim.feed(Merged(at, n, 0, at, orjson.dumps(body)))
         finally:
             sim.close()
         return sim

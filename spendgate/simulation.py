@@ -1,0 +1,401 @@
+"""The pure part of ``spendgate simulate``: judge each request under the draft, fold the rest.
+
+Records in (already merged by time), a report out; no Kafka, no Redis, no clock. See
+:mod:`spendgate.simulate` for the counterfactual it computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from admission.decide import Charge, Plan, Planner
+from schemas.events import Subject, Usage
+from schemas.exceptions import SpendgateError
+from schemas.fastdecode import decode
+from schemas.policies import Policy
+from schemas.prices import PriceCatalog
+from schemas.refusals import RefusalGap
+from schemas.windows import WindowSpec, retry_after, total
+from spendgate.simulate_report import KeyReport, PolicyReport, Report, iso_ms, track
+from streams.dedupe import IdStore
+from streams.fold import Rules, UsageRecord, fold_usage
+from streams.ledger import KeyState
+
+__all__ = ["Merged", "Simulation", "Verdict", "event_ms", "judge", "unsupported"]
+
+
+def unsupported(policies: Sequence[Policy]) -> list[str]:
+    """Why each draft this version cannot simulate is refused (empty: all can be)."""
+    out = []
+    for p in policies:
+        if getattr(p, "burst", None) is not None:
+            out.append(f"{p.id}: burst is not simulated yet")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """How the draft judges one request: refused (by ``violated``), or admitted with the
+    output capped at ``max_output_tokens`` (None: as asked)."""
+
+    refused: bool
+    violated: tuple[str, ...] = ()
+    max_output_tokens: int | None = None
+    #: Per charge: the amount the request holds (its capped amount when capped).
+    amounts: tuple[int, ...] = ()
+    #: ``delay``: the instant it was admitted after being held (None: at once).
+    admitted_ms: int | None = None
+    #: ``downgrade``/``route``: the subject field replaced and its value (None: as asked).
+    replaced: tuple[str, str] | None = None
+
+
+def _amount_at(charge: Charge, output: int | None, asked: int) -> int:
+    cap = charge.cap
+    if output is None or cap.r == 0:
+        return asked
+    return -((-(cap.s + output * cap.r)) // cap.d)
+
+
+def judge(charges: Sequence[Charge], totals: Sequence[int], estimate_output: int) -> Verdict:
+    """Judge one request as the admit script does, all matching policies at once.
+
+    Args:
+        charges: the request's keys and amounts (``admission.decide.Planner.charges``).
+        totals: each key's window total at the request's instant.
+        estimate_output: the estimate's output tokens (what a cap lowers).
+    """
+    amounts = [c.amount for c in charges]
+    over = [
+        i
+        for i, c in enumerate(charges)
+        if c.target.policy.mode == "enforce" and totals[i] + amounts[i] > c.target.policy.limit
+    ]
+    if not over:
+        return Verdict(False, (), None, tuple(amounts))
+    refusing = tuple(sorted({charges[i].target.policy.id for i in over}))
+    if any(charges[i].target.policy.on_exceed != "cap" or charges[i].cap.r == 0 for i in over):
+        return Verdict(True, refusing)
+    # The largest output every capped key (and every other enforced key) still fits.
+    output = estimate_output
+    for i, c in enumerate(charges):
+        if c.target.policy.mode != "enforce" or c.cap.r == 0:
+            continue
+        room = c.target.policy.limit - totals[i]
+        output = min(output, (room * c.cap.d - c.cap.s) // c.cap.r)
+    if output < 0:
+        return Verdict(True, refusing)
+    capped = [_amount_at(c, output, amounts[i]) for i, c in enumerate(charges)]
+    if any(
+        c.target.policy.mode == "enforce" and totals[i] + capped[i] > c.target.policy.limit
+        for i, c in enumerate(charges)
+    ):
+        return Verdict(True, refusing)
+    return Verdict(False, (), output, tuple(capped))
+
+
+class Merged:
+    """One record of either topic, in the merged order."""
+
+    __slots__ = ("at_ms", "broker_ms", "order", "topic", "value")
+
+    def __init__(self, at_ms: int, order: int, topic: int, broker_ms: int, value: bytes) -> None:
+        self.at_ms = at_ms
+        self.order = order
+        self.topic = topic
+        self.broker_ms = broker_ms
+        self.value = value
+
+
+def event_ms(topic: int, value: bytes, broker_ms: int) -> int:
+    """A record's event time (``occurred_at`` or ``at``); the broker's when unreadable."""
+    try:
+        if topic == 0:
+            return decode(value).occurred_ms
+        raw = orjson.loads(value)
+        return int(datetime.fromisoformat(raw["at"].replace("Z", "+00:00")).timestamp() * 1000)
+    except Exception:  # noqa: BLE001 - unreadable records keep their broker time
+        return broker_ms
+
+
+class Simulation:
+    """The draft's state over the merged history (pure: records in, report out).
+
+    Args:
+        draft: the draft policies.
+        prices: the price catalog for ``cost_usd`` drafts.
+        dedupe_horizon_ms: the producer-duplicate horizon (as the worker's).
+    """
+
+    def __init__(
+        self, draft: Sequence[Policy], prices: PriceCatalog | None, dedupe_horizon_ms: int
+    ) -> None:
+        self.planner = Planner(list(draft), prices)
+        self.rules = Rules(draft, prices, local=lambda policy: True)
+        self.specs = {p.id: WindowSpec(p.window_ms, p.bucket_ms, p.boundary) for p in draft}
+        self.states: dict[str, KeyState] = {}
+        self.ids = IdStore(None, dedupe_horizon_ms)
+        self.report = Report({p.id: PolicyReport(policy=p) for p in draft})
+        self.refused_reservations: set[str] = set()
+        #: reservation id -> the output cap the draft put on it.
+        self.capped: dict[str, int] = {}
+        #: reservation id -> the subject field (and value) a downgrade or route replaced.
+        self.replaced: dict[str, tuple[str, str]] = {}
+        self.seen_refusals: set[str] = set()
+        self._offset = 0
+        self._broker_ms = 0
+
+    def close(self) -> None:
+        """Release the dedupe set's temporary folder."""
+        self.ids.close()
+
+    def _load(self, key: str) -> KeyState:
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = KeyState()
+        return state
+
+    def _fold(self, value: bytes, broker_ms: int) -> None:
+        # Positions are the merged order's (one partition): the ledger applies each once.
+        self._broker_ms = max(self._broker_ms, broker_ms)
+        rec = UsageRecord(0, self._offset, self._broker_ms, value)
+        self._offset += 1
+        result = fold_usage(
+            [rec],
+            self._load,
+            self.rules,
+            max_future_skew_ms=300_000,
+            max_value_bytes=1 << 30,
+            ids=self.ids,
+        )
+        for write in result.writes:
+            self.states[write.key] = write.state
+
+    def feed(self, item: Merged) -> None:
+        """Judge and fold one record of the merged history."""
+        report = self.report
+        report.first_ms = item.at_ms if report.first_ms is None else report.first_ms
+        report.last_ms = item.at_ms
+        if item.topic == 1:
+            self._refusal(item)
+            return
+        report.usage_records += 1
+        try:
+            event = decode(item.value)
+        except Exception:  # noqa: BLE001 - the fold dead-letters it as the worker does
+            self._fold(item.value, item.broker_ms)
+            return
+        rid = event.reservation_id
+        if event.kind == "reserve" and rid is not None:
+            usage = Usage.model_validate(_usage_dict(event.usage))
+            subject = _subject(event.subject)
+            verdict = self._judge(subject, usage, event.occurred_ms)
+            if verdict is None or not verdict.refused:
+                value = item.value
+                if verdict is not None:
+                    if verdict.max_output_tokens is not None:
+                        self.capped[rid] = verdict.max_output_tokens
+                    if verdict.replaced is not None:
+                        self.replaced[rid] = verdict.replaced
+                    value = _rewritten(value, verdict)
+                self._fold(value, item.broker_ms)
+            else:
+                self.refused_reservations.add(rid)
+            return
+        if rid is not None and rid in self.refused_reservations:
+            report.dropped_settlements += 1
+            return
+        value = item.value
+        if rid is not None and (rid in self.capped or rid in self.replaced):
+            cap = self.capped.get(rid) if event.kind == "commit" else None
+            value = _rewritten(value, Verdict(False, (), cap, (), None, self.replaced.get(rid)))
+        self._fold(value, item.broker_ms)
+
+    def _refusal(self, item: Merged) -> None:
+        try:
+            raw = orjson.loads(item.value)
+            if raw.get("kind") == "gap":
+                gap = RefusalGap.model_validate(raw)
+                known = self.report.dropped_at_publish or 0
+                self.report.dropped_at_publish = known + gap.dropped
+                return
+            self.report.refusal_records += 1
+            request_id = str(raw["request_id"])
+            subject = Subject.model_validate(raw["subject"])
+            usage = Usage.model_validate(raw["estimate"])
+        except Exception:  # noqa: BLE001 - not a refusal record: nothing to judge
+            return
+        if request_id in self.seen_refusals:
+            self.report.repeated_refusals += 1
+            return
+        self.seen_refusals.add(request_id)
+        verdict = self._judge(subject, usage, item.at_ms)
+        if verdict is not None and verdict.refused:
+            return
+        # Admitted by the draft: its estimate is held from its instant and never settled.
+        body = {
+            "event_id": f"simulated-{request_id}",
+            "kind": "reserve",
+            "subject": subject.model_dump(exclude_none=True),
+            "occurred_at": iso_ms(item.at_ms),
+            "reservation_id": f"simulated-{request_id}",
+            "usage": usage.model_dump(exclude_none=True),
+            "expires_at": iso_ms(item.at_ms + 1),
+        }
+        value = orjson.dumps(body)
+        if verdict is not None:
+            value = _rewritten(value, verdict)
+        self._fold(value, item.broker_ms)
+
+    def _judge(self, subject: Subject, usage: Usage, at_ms: int) -> Verdict | None:
+        """Judge a request at ``at_ms``; None when no draft policy matches it (or it
+        cannot be judged); the report is updated."""
+        report = self.report
+        report.requests += 1
+        try:
+            plans = self.planner.plans(subject, usage)
+        except SpendgateError:
+            report.unjudged += 1
+            return None
+        charges = plans[0].charges
+        if not charges:
+            report.unmatched += 1
+            return None
+        totals = self._totals(charges, at_ms)
+        first = verdict = judge(charges, totals, usage.output_tokens)
+        if verdict.refused:
+            verdict = self._delayed(charges, verdict, usage, at_ms) or self._alternative(
+                plans, verdict, usage, at_ms
+            )
+        at = datetime.fromtimestamp(at_ms / 1000, UTC)
+        if first.refused and not verdict.refused:
+            for pid in first.violated:
+                pr = report.policies[pid]
+                if verdict.admitted_ms is not None:
+                    pr.delayed += 1
+                else:
+                    pr.replaced += 1
+        for i, c in enumerate(charges):
+            policy = c.target.policy
+            pr = report.policies[policy.id]
+            kr = pr.keys.get(c.target.key)
+            if kr is None:
+                kr = pr.keys[c.target.key] = KeyReport(
+                    policy=policy.id, key=c.target.key, limit=policy.limit
+                )
+            pr.requests += 1
+            kr.requests += 1
+            refused_here = verdict.refused and policy.id in verdict.violated
+            held_here = not verdict.refused and verdict.replaced is None
+            used_after = totals[i] + (verdict.amounts[i] if held_here else 0)
+            track(kr, at_ms, used_after, refused_here)
+            if refused_here:
+                pr.refuse(at, c.amount)
+                kr.refuse(at, c.amount)
+            elif verdict.max_output_tokens is not None and verdict.amounts[i] < c.amount:
+                pr.capped += 1
+                kr.capped += 1
+        return verdict
+
+    def _totals(self, charges: Sequence[Charge], at_ms: int) -> list[int]:
+        out = []
+        for c in charges:
+            state = self.states.get(c.target.key)
+            spec = self.specs[c.target.policy.id]
+            out.append(total(spec, state.buckets, at_ms) if state is not None else 0)
+        return out
+
+    def _delayed(
+        self, charges: Sequence[Charge], refused: Verdict, usage: Usage, at_ms: int
+    ) -> Verdict | None:
+        """``delay``: refused only by delay policies, and every one of them fits within
+        the smallest ``max_delay`` among them (assuming no new usage, as admission's
+        exact Retry-After does): judged again at that instant."""
+        violating = [c for c in charges if c.target.policy.id in refused.violated]
+        policies = [c.target.policy for c in violating]
+        if any(p.on_exceed != "delay" or p.mode != "enforce" for p in policies):
+            return None
+        wait_ms = min(p.max_delay_ms for p in policies)
+        fits = []
+        for c in violating:
+            state = self.states.get(c.target.key)
+            buckets = state.buckets if state is not None else {}
+            spec = self.specs[c.target.policy.id]
+            found = retry_after(spec, buckets, at_ms, limit=c.target.policy.limit, amount=c.amount)
+            if found.fits_at_ms is None:
+                return None
+            fits.append(found.fits_at_ms)
+        then = max(fits)
+        if then - at_ms > wait_ms:
+            return None
+        again = judge(charges, self._totals(charges, then), usage.output_tokens)
+        if again.refused:
+            return None
+        return Verdict(False, (), again.max_output_tokens, again.amounts, then)
+
+    def _alternative(
+        self, plans: Sequence[Plan], refused: Verdict, usage: Usage, at_ms: int
+    ) -> Verdict:
+        """``downgrade``/``route``: refused only by policies offering an alternative, the
+        alternatives are tried in order (never chained); the first that fits wins."""
+        violating = [c for c in plans[0].charges if c.target.policy.id in refused.violated]
+        if not violating or any(c.alt == 0 for c in violating):
+            return refused
+        for index in sorted({c.alt for c in violating}):
+            plan = plans[index]
+            again = judge(plan.charges, self._totals(plan.charges, at_ms), usage.output_tokens)
+            if not again.refused:
+                name = "model" if plan.kind == "downgrade" else "pool"
+                value = plan.subject.value(name) or ""
+                return Verdict(
+                    False, (), again.max_output_tokens, again.amounts, None, (name, value)
+                )
+        return refused
+
+
+def _subject(subject: object) -> Subject:
+    if isinstance(subject, Subject):
+        return subject
+    fields = {
+        name: getattr(subject, name, None)
+        for name in Subject.model_fields
+        if getattr(subject, name, None) is not None
+    }
+    return Subject.model_validate(fields)
+
+
+def _usage_dict(usage: object) -> dict[str, Any]:
+    if usage is None:
+        return {}
+    return {
+        name: getattr(usage, name)
+        for name in Usage.model_fields
+        if getattr(usage, name, None) is not None
+    }
+
+
+def _rewritten(value: bytes, verdict: Verdict) -> bytes:
+    """The record as the draft would have it: output tokens at most the cap, admitted at
+    the end of its delay, for the downgraded model or routed pool."""
+    if (
+        verdict.max_output_tokens is None
+        and verdict.admitted_ms is None
+        and verdict.replaced is None
+    ):
+        return value
+    raw = orjson.loads(value)
+    usage = raw.get("usage") or {}
+    cap = verdict.max_output_tokens
+    if cap is not None and usage.get("output_tokens", 0) > cap:
+        usage["output_tokens"] = cap
+        raw["usage"] = usage
+    if verdict.admitted_ms is not None:
+        raw["occurred_at"] = iso_ms(verdict.admitted_ms)
+    if verdict.replaced is not None:
+        name, replaced_by = verdict.replaced
+        raw["subject"] = {**raw.get("subject", {}), name: replaced_by}
+    return orjson.dumps(raw)
