@@ -101,10 +101,16 @@ ABSORB_KEYS_PER_CALL = 64
 # ARGV[1] the window as the table holds it   ARGV[2] PX (ms)   ARGV[3] its version
 # ARGV[4] its utilization score, or "" for none (set with the window it belongs to)
 # Returns 1 when the window was rewritten, 0 when it matched or Redis holds a newer one.
+# A matching window whose version is behind is not drift: records that move the version
+# without changing the window (a commit of exactly its reservation, a duplicate) are not
+# written to Redis, so only the version is brought forward.
 HEAL = r"""
 local have = tonumber(redis.call('GET', KEYS[2]) or '-1')
 if have > tonumber(ARGV[3]) then return 0 end
-if have == tonumber(ARGV[3]) and redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if have < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2]) end
+  return 0
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
 if ARGV[4] ~= '' then redis.call('ZADD', KEYS[3], ARGV[4], KEYS[1]) end

@@ -181,6 +181,30 @@ class TestHealScript:
         finally:
             await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
 
+    async def test_a_window_behind_only_in_version_is_not_drift(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        # A record that moves the key's version without changing its window (a commit of
+        # exactly its reservation, a duplicate) is not written to Redis: the window there
+        # is right, only its version is behind. The heal brings the version forward and
+        # reports no drift.
+        client, prefix = redis_client, key_prefix
+        materializer = RedisMaterializer(client, prefix)
+        spec = WindowSpec(3_600_000, 60_000)
+        older = KeyState(buckets={60_000: 7}, bucket_ms=60_000, window_ms=3_600_000)
+        older.offsets = {0: 4}  # version 5
+        same = KeyState(buckets={60_000: 7}, bucket_ms=60_000, window_ms=3_600_000)
+        same.offsets = {0: 9}  # version 10, the same window
+        try:
+            await materializer.absorb(
+                "k", window_codec.encode(older.buckets, 60_000), spec, [], version=older.version
+            )
+            assert not await materializer.heal("k", same)
+            assert int(await client.get(window_version_key(prefix, "k"))) == same.version
+            assert not await materializer.heal("k", older)  # Redis now holds the newer version
+        finally:
+            await client.delete(*[k async for k in client.scan_iter(prefix + "*")])
+
 
 class TestStaleWriter:
     async def test_a_batch_write_never_overwrites_a_newer_window(
