@@ -57,19 +57,24 @@ def iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat()
 
 
-def event(tenant: str, occurred_ms: int, amount: int) -> bytes:
-    """One direct ``commit`` usage event for ``tenant``."""
-    return json.dumps(
-        {
-            "schema_version": 1,
-            "event_id": uuid.uuid4().hex,
-            "kind": "commit",
-            "subject": {"tenant": tenant, "model": "m"},
-            "occurred_at": iso(occurred_ms),
-            "usage": {"input_tokens": amount, "output_tokens": amount // 2},
-        },
-        separators=(",", ":"),
-    ).encode()
+def event(tenant: str, occurred_ms: int, amount: int, *, reserve: bool = False) -> bytes:
+    """One direct ``commit`` usage event for ``tenant`` (a ``reserve`` when asked: what
+    ``simulate`` judges as a request)."""
+    body: dict[str, Any] = {
+        "schema_version": 1,
+        "event_id": uuid.uuid4().hex,
+        "kind": "commit",
+        "subject": {"tenant": tenant, "model": "m"},
+        "occurred_at": iso(occurred_ms),
+        "usage": {"input_tokens": amount, "output_tokens": amount // 2},
+    }
+    if reserve:
+        body |= {
+            "kind": "reserve",
+            "reservation_id": body["event_id"],
+            "expires_at": iso(occurred_ms + 900_000),
+        }
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 async def setup_topics(s: Any) -> None:
@@ -82,9 +87,9 @@ async def setup_topics(s: Any) -> None:
     await publish_policies(s, [Policy.model_validate(POLICY)])
 
 
-async def fill(s: Any, events: int, keys: int, seed: int = 1) -> float:
-    """Produce ``events`` commits spread over ``keys`` tenants (occurred in the last 30 min);
-    return the seconds it took."""
+async def fill(s: Any, events: int, keys: int, seed: int = 1, *, reserves: bool = False) -> float:
+    """Produce ``events`` commits (``reserves``: reserves) spread over ``keys`` tenants
+    (occurred in the last 30 min); return the seconds it took."""
     from aiokafka import AIOKafkaProducer
 
     rng = random.Random(seed)
@@ -103,7 +108,12 @@ async def fill(s: Any, events: int, keys: int, seed: int = 1) -> float:
             futures.append(
                 await producer.send(
                     s.topic("usage"),
-                    event(tenant, start + (30 * 60_000) * i // events, rng.randint(10, 2000)),
+                    event(
+                        tenant,
+                        start + (30 * 60_000) * i // events,
+                        rng.randint(10, 2000),
+                        reserve=reserves,
+                    ),
                     key=tenant.encode(),
                 )
             )

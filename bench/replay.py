@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time spendgate simulate on the same topic (the policies in force as draft)",
     )
+    ap.add_argument(
+        "--reserves",
+        action="store_true",
+        help="produce reserves instead of commits (each one a request simulate judges)",
+    )
     c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     c.print_header("replay benchmark", {"events": args.events, "keys": args.keys, "run": rid})
     try:
         asyncio.run(k.setup_topics(s))
-        produce_s = asyncio.run(k.fill(s, args.events, args.keys))
+        produce_s = asyncio.run(k.fill(s, args.events, args.keys, reserves=args.reserves))
         print(f"  produced {args.events:,} events in {produce_s:.1f} s", flush=True)
         n_raw, raw_s = asyncio.run(k.raw_consume(s))
         t0 = time.perf_counter()

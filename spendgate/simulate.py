@@ -130,6 +130,7 @@ async def simulate(
             sim.feed(item)
             if progress is not None and (n % 2000 == 0 or n == len(records)):
                 progress(n, len(records))
+        sim.finish()
     finally:
         sim.close()
     sim.report.seconds = asyncio.get_running_loop().time() - started

@@ -26,6 +26,9 @@ from streams.dedupe import IdStore
 from streams.fold import Rules, UsageRecord, fold_usage
 from streams.ledger import KeyState
 
+#: Records folded together at most (as replay's batches).
+FOLD_BATCH = 2000
+
 __all__ = ["Merged", "Simulation", "Verdict", "event_ms", "judge", "unsupported"]
 
 
@@ -135,7 +138,9 @@ class Simulation:
         self, draft: Sequence[Policy], prices: PriceCatalog | None, dedupe_horizon_ms: int
     ) -> None:
         self.planner = Planner(list(draft), prices)
-        self.rules = Rules(draft, prices, local=lambda policy: True)
+        # The fold keeps the windows; its alerts are not wanted here.
+        quiet = [p.model_copy(update={"alerts": [], "forecast": None}) for p in draft]
+        self.rules = Rules(quiet, prices, local=lambda policy: True)
         self.specs = {p.id: WindowSpec(p.window_ms, p.bucket_ms, p.boundary) for p in draft}
         self.states: dict[str, KeyState] = {}
         self.ids = IdStore(None, dedupe_horizon_ms)
@@ -148,24 +153,28 @@ class Simulation:
         self.seen_refusals: set[str] = set()
         self._offset = 0
         self._broker_ms = 0
+        #: Records waiting to be folded in one batch, and the keys they touch (``None``
+        #: among them: not known, so the next judgment folds them first).
+        self._pending: list[UsageRecord] = []
+        self._pending_keys: set[str | None] = set()
+        #: Admitted reservation -> the keys its request touches (where its settlements go).
+        self._keys_of: dict[str, tuple[str | None, ...]] = {}
+        #: The keys of every plan of the request judged last.
+        self._judged_keys: tuple[str | None, ...] = (None,)
 
     def close(self) -> None:
         """Release the dedupe set's temporary folder."""
         self.ids.close()
 
-    def _load(self, key: str) -> KeyState:
-        state = self.states.get(key)
-        if state is None:
-            state = self.states[key] = KeyState()
-        return state
+    def finish(self) -> None:
+        """Fold what is still waiting (call once the last record was fed)."""
+        self._flush()
 
-    def _fold(self, value: bytes, broker_ms: int) -> None:
-        # Positions are the merged order's (one partition): the ledger applies each once.
-        self._broker_ms = max(self._broker_ms, broker_ms)
-        rec = UsageRecord(0, self._offset, self._broker_ms, value)
-        self._offset += 1
+    def _flush(self) -> None:
+        if not self._pending:
+            return
         result = fold_usage(
-            [rec],
+            self._pending,
             self._load,
             self.rules,
             max_future_skew_ms=300_000,
@@ -174,6 +183,41 @@ class Simulation:
         )
         for write in result.writes:
             self.states[write.key] = write.state
+        self._pending = []
+        self._pending_keys = set()
+
+    def _state(self, key: str) -> KeyState | None:
+        """A key's state with every record fed so far folded in: waiting records are
+        folded first when one of them touches ``key`` (or might)."""
+        pending = self._pending_keys
+        if key in pending or None in pending:
+            self._flush()
+        return self.states.get(key)
+
+    def _keys(self, subject: object) -> tuple[str | None, ...]:
+        """The draft keys a record for ``subject`` touches (``(None,)``: not known)."""
+        try:
+            return tuple(t.key for t in self.rules.index.targets(subject))  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - the fold refuses it; fold it before judging
+            return (None,)
+
+    def _load(self, key: str) -> KeyState:
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = KeyState()
+        return state
+
+    def _fold(self, value: bytes, broker_ms: int, keys: Sequence[str | None]) -> None:
+        """Queue one record for the fold; it is folded before any judgment that reads a
+        key it touches (``keys``), so every request is judged on the windows as they
+        stand just before it, and records in between are folded in batches."""
+        # Positions are the merged order's (one partition): the ledger applies each once.
+        self._broker_ms = max(self._broker_ms, broker_ms)
+        self._pending.append(UsageRecord(0, self._offset, self._broker_ms, value))
+        self._pending_keys.update(keys)
+        self._offset += 1
+        if len(self._pending) >= FOLD_BATCH:
+            self._flush()
 
     def feed(self, item: Merged) -> None:
         """Judge and fold one record of the merged history."""
@@ -187,7 +231,7 @@ class Simulation:
         try:
             event = decode(item.value)
         except Exception:  # noqa: BLE001 - the fold dead-letters it as the worker does
-            self._fold(item.value, item.broker_ms)
+            self._fold(item.value, item.broker_ms, ())
             return
         rid = event.reservation_id
         if event.kind == "reserve" and rid is not None:
@@ -202,7 +246,8 @@ class Simulation:
                     if verdict.replaced is not None:
                         self.replaced[rid] = verdict.replaced
                     value = _rewritten(value, verdict)
-                self._fold(value, item.broker_ms)
+                self._keys_of[rid] = self._judged_keys
+                self._fold(value, item.broker_ms, self._judged_keys)
             else:
                 self.refused_reservations.add(rid)
             return
@@ -213,7 +258,8 @@ class Simulation:
         if rid is not None and (rid in self.capped or rid in self.replaced):
             cap = self.capped.get(rid) if event.kind == "commit" else None
             value = _rewritten(value, Verdict(False, (), cap, (), None, self.replaced.get(rid)))
-        self._fold(value, item.broker_ms)
+        held = self._keys_of.get(rid) if rid is not None else None
+        self._fold(value, item.broker_ms, held if held is not None else self._keys(event.subject))
 
     def _refusal(self, item: Merged) -> None:
         try:
@@ -249,19 +295,21 @@ class Simulation:
         value = orjson.dumps(body)
         if verdict is not None:
             value = _rewritten(value, verdict)
-        self._fold(value, item.broker_ms)
+        self._fold(value, item.broker_ms, self._judged_keys if verdict is not None else (None,))
 
     def _judge(self, subject: Subject, usage: Usage, at_ms: int) -> Verdict | None:
         """Judge a request at ``at_ms``; None when no draft policy matches it (or it
         cannot be judged); the report is updated."""
         report = self.report
         report.requests += 1
+        self._judged_keys = (None,)
         try:
             plans = self.planner.plans(subject, usage)
         except SpendgateError:
             report.unjudged += 1
             return None
         charges = plans[0].charges
+        self._judged_keys = tuple(c.target.key for plan in plans for c in plan.charges)
         if not charges:
             report.unmatched += 1
             return None
@@ -304,7 +352,7 @@ class Simulation:
     def _totals(self, charges: Sequence[Charge], at_ms: int) -> list[int]:
         out = []
         for c in charges:
-            state = self.states.get(c.target.key)
+            state = self._state(c.target.key)
             spec = self.specs[c.target.policy.id]
             out.append(total(spec, state.buckets, at_ms) if state is not None else 0)
         return out
@@ -322,7 +370,7 @@ class Simulation:
         wait_ms = min(p.max_delay_ms for p in policies)
         fits = []
         for c in violating:
-            state = self.states.get(c.target.key)
+            state = self._state(c.target.key)
             buckets = state.buckets if state is not None else {}
             spec = self.specs[c.target.policy.id]
             found = retry_after(spec, buckets, at_ms, limit=c.target.policy.limit, amount=c.amount)

@@ -62,6 +62,7 @@ class TestActions:
         try:
             for n, (at, body) in enumerate(events):
                 sim.feed(Merged(at, n, 0, at, orjson.dumps(body)))
+            sim.finish()
         finally:
             sim.close()
         return sim
