@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from admission.auth import Authorizer, Grant
 from schemas.events import ExtendEvent
 from schemas.overage import OverageMark
 from schemas.policies import Policy
@@ -185,3 +186,35 @@ class TestCapNext:
         assert (await adm.admit("acme", output_tokens=100)).status_code == 200
         assert await adm.pending(_key(recorded)) == 100  # record: only counted, not scaled
         assert await adm.pending(_key(chronic)) == 100  # cap_next, but no overage on it
+
+
+class TestExtendScope:
+    async def test_observe_budgets_never_refuse_an_extend_but_are_charged(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission()
+        watched = policy_factory(limit=50, mode="observe")
+        await adm.policies(watched)
+        rid = await _admitted(adm, 40)
+        answer = await _extend(adm, rid, 1, output_tokens=100)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["violated"] == []
+        assert await adm.pending(_key(watched)) == 140
+
+    async def test_a_token_extends_only_its_own_tenants_reservations(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        tokens: dict[str, Grant] = {"tok-a": frozenset({"acme"}), "tok-b": frozenset({"b"})}
+        adm = await make_admission(authorizer=Authorizer(tokens))
+        await adm.policies(policy_factory(limit=1000))
+        own = {"Authorization": "Bearer tok-a"}
+        admitted = await adm.admit("acme", output_tokens=10, headers=own)
+        rid = admitted.json()["reservation_id"]
+        body = {"reservation_id": rid, "seq": 1, "add": {"output_tokens": 5}}
+        other = await adm.http.post(
+            "/v1/extend", json=body, headers={"Authorization": "Bearer tok-b"}
+        )
+        assert other.status_code == 403
+        assert other.json()["error"]["field"] == "reservation_id"
+        assert (await adm.http.post("/v1/extend", json=body)).status_code == 401
+        assert (await adm.http.post("/v1/extend", json=body, headers=own)).status_code == 200
