@@ -236,6 +236,13 @@ class TestSimulate:
             else:
                 assert key.first_refusal is None
         assert report.dropped_settlements > 0
+        # --to: the history up to an instant, judged the same way (nothing later matters).
+        until_ms = base_ms + 300_000
+        early = await simulate(
+            worker_settings, [draft()], until=datetime.fromtimestamp(until_ms / 1000, UTC)
+        )
+        (early_pr,) = early.policies.values()
+        assert early_pr.refused == sum(t <= until_ms for ts in h.refused.values() for t in ts)
         assert sorted(redis_sync.scan_iter(f"{worker_settings.redis_prefix}*")) == redis_before
         assert await end_offsets(worker_settings) == topics_before
 
