@@ -27,6 +27,15 @@ pytestmark = pytest.mark.integration
 SUBJECT = {"tenant": "acme", "model": "m1"}
 
 
+async def _admit(http: httpx.AsyncClient, output_tokens: int) -> httpx.Response:
+    body = {
+        "request_id": uuid.uuid4().hex,
+        "subject": SUBJECT,
+        "estimate": {"output_tokens": output_tokens},
+    }
+    return await http.post("/v1/admit", json=body)
+
+
 def _client(http: httpx.AsyncClient) -> AsyncAdmissionClient:
     return AsyncAdmissionClient(str(http.base_url), transport=http._transport)
 
@@ -79,14 +88,7 @@ class TestStreaming:
         await apply_policies(small, big)
         keys = [f"{p.id}|tenant=acme" for p in (small, big)]
         prefix = worker_settings.redis_prefix
-        admitted = await admission_client.post(
-            "/v1/admit",
-            json={
-                "request_id": uuid.uuid4().hex,
-                "subject": SUBJECT,
-                "estimate": {"output_tokens": 100},
-            },
-        )
+        admitted = await _admit(admission_client, 100)
         rid = admitted.json()["reservation_id"]
 
         async def extend(seq: int, n: int) -> httpx.Response:
@@ -141,14 +143,7 @@ class TestOverage:
         await apply_policies(policy)
         key = f"{policy.id}|tenant=acme"
         prefix = worker_settings.redis_prefix
-        admitted = await admission_client.post(
-            "/v1/admit",
-            json={
-                "request_id": uuid.uuid4().hex,
-                "subject": SUBJECT,
-                "estimate": {"output_tokens": 100},
-            },
-        )
+        admitted = await _admit(admission_client, 100)
         rid = admitted.json()["reservation_id"]
         before = datetime.now(UTC)
         commit = await admission_client.post(
@@ -185,14 +180,7 @@ class TestOverage:
         assert f'spendgate_overage_amount_total{{policy="{policy.id}"}} 150.0' in text
         # cap_next: the key's next estimate is held at the observed ratio (2.5, decaying
         # over the 1 h window: a few seconds later it is still about 2.5).
-        nxt = await admission_client.post(
-            "/v1/admit",
-            json={
-                "request_id": uuid.uuid4().hex,
-                "subject": SUBJECT,
-                "estimate": {"output_tokens": 100},
-            },
-        )
+        nxt = await _admit(admission_client, 100)
         assert nxt.status_code == 200, nxt.text
         (budget,) = nxt.json()["budgets"]
         assert budget["used"] == 250
