@@ -30,7 +30,9 @@ How a history becomes a counterfactual (the same pure fold as ``replay``,
   alternative is judged again for each alternative subject (model or pool replaced) in
   order, never chained; the first that fits is admitted and it, its commit, extends and
   release are charged to the replaced subject.
-* Drafts with a ``burst`` are refused with a message: this version does not simulate it.
+* ``burst``: each key's token bucket (``schemas.burst``) is a second quota beside the
+  window, judged in the same step (a ``cap`` caps to what both allow, a ``delay`` waits for
+  both); an admitted request takes its amount from the buckets of the plan admitted.
 """
 
 from __future__ import annotations

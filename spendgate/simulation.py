@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from admission.decide import Charge, Plan, Planner
+from schemas.burst import BurstState, check, level_at, take
 from schemas.events import Subject, Usage
 from schemas.exceptions import SpendgateError
 from schemas.fastdecode import decode
@@ -34,11 +35,8 @@ __all__ = ["Merged", "Simulation", "Verdict", "event_ms", "judge", "unsupported"
 
 def unsupported(policies: Sequence[Policy]) -> list[str]:
     """Why each draft this version cannot simulate is refused (empty: all can be)."""
-    out = []
-    for p in policies:
-        if getattr(p, "burst", None) is not None:
-            out.append(f"{p.id}: burst is not simulated yet")
-    return out
+    del policies  # every field a draft may carry is simulated
+    return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +62,31 @@ def _amount_at(charge: Charge, output: int | None, asked: int) -> int:
     return -((-(cap.s + output * cap.r)) // cap.d)
 
 
-def judge(charges: Sequence[Charge], totals: Sequence[int], estimate_output: int) -> Verdict:
+def judge(
+    charges: Sequence[Charge],
+    totals: Sequence[int],
+    estimate_output: int,
+    tokens: Sequence[int | None] | None = None,
+) -> Verdict:
     """Judge one request as the admit script does, all matching policies at once.
 
     Args:
         charges: the request's keys and amounts (``admission.decide.Planner.charges``).
         totals: each key's window total at the request's instant.
         estimate_output: the estimate's output tokens (what a cap lowers).
+        tokens: per key with a ``burst``, the whole tokens in its bucket now (a second
+            quota beside the window); None for the others.
     """
     amounts = [c.amount for c in charges]
+    room = [c.target.policy.limit - totals[i] for i, c in enumerate(charges)]
+    if tokens is not None:
+        for i, left in enumerate(tokens):
+            if left is not None:
+                room[i] = min(room[i], left)
     over = [
         i
         for i, c in enumerate(charges)
-        if c.target.policy.mode == "enforce" and totals[i] + amounts[i] > c.target.policy.limit
+        if c.target.policy.mode == "enforce" and amounts[i] > room[i]
     ]
     if not over:
         return Verdict(False, (), None, tuple(amounts))
@@ -88,14 +98,12 @@ def judge(charges: Sequence[Charge], totals: Sequence[int], estimate_output: int
     for i, c in enumerate(charges):
         if c.target.policy.mode != "enforce" or c.cap.r == 0:
             continue
-        room = c.target.policy.limit - totals[i]
-        output = min(output, (room * c.cap.d - c.cap.s) // c.cap.r)
+        output = min(output, (room[i] * c.cap.d - c.cap.s) // c.cap.r)
     if output < 0:
         return Verdict(True, refusing)
     capped = [_amount_at(c, output, amounts[i]) for i, c in enumerate(charges)]
     if any(
-        c.target.policy.mode == "enforce" and totals[i] + capped[i] > c.target.policy.limit
-        for i, c in enumerate(charges)
+        c.target.policy.mode == "enforce" and capped[i] > room[i] for i, c in enumerate(charges)
     ):
         return Verdict(True, refusing)
     return Verdict(False, (), output, tuple(capped))
@@ -161,6 +169,8 @@ class Simulation:
         self._keys_of: dict[str, tuple[str | None, ...]] = {}
         #: The keys of every plan of the request judged last.
         self._judged_keys: tuple[str | None, ...] = (None,)
+        #: Token buckets of the draft's ``burst`` policies, per budget key.
+        self.bursts: dict[str, BurstState] = {}
 
     def close(self) -> None:
         """Release the dedupe set's temporary folder."""
@@ -314,11 +324,13 @@ class Simulation:
             report.unmatched += 1
             return None
         totals = self._totals(charges, at_ms)
-        first = verdict = judge(charges, totals, usage.output_tokens)
+        first = verdict = judge(charges, totals, usage.output_tokens, self._tokens(charges, at_ms))
         if verdict.refused:
             verdict = self._delayed(charges, verdict, usage, at_ms) or self._alternative(
                 plans, verdict, usage, at_ms
             )
+        if not verdict.refused:
+            self._take(plans, verdict, at_ms)
         at = datetime.fromtimestamp(at_ms / 1000, UTC)
         if first.refused and not verdict.refused:
             for pid in first.violated:
@@ -349,6 +361,33 @@ class Simulation:
                 kr.capped += 1
         return verdict
 
+    def _tokens(self, charges: Sequence[Charge], at_ms: int) -> list[int | None] | None:
+        """Whole tokens in each key's bucket at ``at_ms`` (None: no ``burst``)."""
+        out: list[int | None] = []
+        for c in charges:
+            burst = c.target.policy.burst
+            if burst is None:
+                out.append(None)
+                continue
+            spec = burst.spec()
+            out.append(level_at(spec, self.bursts.get(c.target.key), at_ms) // spec.per_ms)
+        return out if any(t is not None for t in out) else None
+
+    def _take(self, plans: Sequence[Plan], verdict: Verdict, at_ms: int) -> None:
+        """An admitted request takes its amounts from the buckets of the plan admitted."""
+        plan = plans[0]
+        if verdict.replaced is not None:
+            name, value = verdict.replaced
+            plan = next((p for p in plans[1:] if p.subject.value(name) == value), plan)
+        at = verdict.admitted_ms if verdict.admitted_ms is not None else at_ms
+        for c, amount in zip(plan.charges, verdict.amounts, strict=False):
+            burst = c.target.policy.burst
+            if burst is None:
+                continue
+            spec = burst.spec()
+            level = level_at(spec, self.bursts.get(c.target.key), at)
+            self.bursts[c.target.key] = take(spec, level, at, amount)
+
     def _totals(self, charges: Sequence[Charge], at_ms: int) -> list[int]:
         out = []
         for c in charges:
@@ -377,10 +416,18 @@ class Simulation:
             if found.fits_at_ms is None:
                 return None
             fits.append(found.fits_at_ms)
+            burst = c.target.policy.burst
+            if burst is not None:
+                tokens = check(burst.spec(), self.bursts.get(c.target.key), at_ms, c.amount)
+                if tokens.never_fits:
+                    return None
+                fits.append(at_ms + tokens.wait_ms)
         then = max(fits)
         if then - at_ms > wait_ms:
             return None
-        again = judge(charges, self._totals(charges, then), usage.output_tokens)
+        again = judge(
+            charges, self._totals(charges, then), usage.output_tokens, self._tokens(charges, then)
+        )
         if again.refused:
             return None
         return Verdict(False, (), again.max_output_tokens, again.amounts, then)
@@ -395,7 +442,12 @@ class Simulation:
             return refused
         for index in sorted({c.alt for c in violating}):
             plan = plans[index]
-            again = judge(plan.charges, self._totals(plan.charges, at_ms), usage.output_tokens)
+            again = judge(
+                plan.charges,
+                self._totals(plan.charges, at_ms),
+                usage.output_tokens,
+                self._tokens(plan.charges, at_ms),
+            )
             if not again.refused:
                 name = "model" if plan.kind == "downgrade" else "pool"
                 value = plan.subject.value(name) or ""

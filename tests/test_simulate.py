@@ -45,13 +45,13 @@ class TestJudge:
 
 
 class TestUnsupported:
-    def test_burst_drafts_are_named(self) -> None:
+    def test_every_draft_field_is_simulated(self) -> None:
         drafts = [
             policy("b", burst={"rate": 5, "per": "1s", "capacity": 20}),
             policy("d", on_exceed="delay"),
-            policy("ok"),
+            policy("r", on_exceed="route", route_to="west"),
         ]
-        assert [m.split(":")[0] for m in unsupported(drafts)] == ["b"]
+        assert unsupported(drafts) == []
 
 
 class TestActions:
@@ -96,6 +96,23 @@ class TestActions:
         assert (pr.delayed, pr.refused) == (1, 1)
         state = sim.states["d"]
         assert t0 + 30_000 in state.buckets and state.buckets[t0 + 30_000] == 20
+
+    def test_burst_refuses_beside_the_window_and_refills(self) -> None:
+        # A bucket of 10 refilled 1 per second; the window (limit 100) never binds here.
+        draft = [policy("b", burst={"rate": 1, "per": "1s", "capacity": 10})]
+        t0 = 1_700_000_000_000
+        sim = self._run(
+            draft,
+            [
+                self.reserve(1, t0, 6),  # 10 -> 4
+                self.reserve(2, t0 + 1_000, 6),  # 5 tokens: refused, takes nothing
+                self.reserve(3, t0 + 5_000, 6),  # 9 tokens: admitted
+            ],
+        )
+        pr = sim.report.policies["b"]
+        assert (pr.requests, pr.refused) == (3, 1)
+        assert pr.first_refusal == datetime.fromtimestamp((t0 + 1_000) / 1000, UTC)
+        assert sum(sim.states["b"].buckets.values()) == 12
 
     def test_route_charges_the_routed_pool(self) -> None:
         draft = [
