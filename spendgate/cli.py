@@ -217,16 +217,13 @@ def simulate(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from spendgate.simulate import chart, dumps, run_simulation, unsupported
+    from spendgate.simulate import caveats, chart, dumps, run_simulation
     from streams.policy_admin import list_policies, load_policies
     from streams.settings import WorkerSettings
 
     draft = load_policies(policies)
-    problems = unsupported(draft)
-    if problems:
-        for problem in problems:
-            say("unsupported", "red", problem)
-        raise typer.Exit(2)
+    for caveat in caveats(draft):
+        say("note", "yellow", caveat)
     since, until = (
         t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t for t in (since, until)
     )

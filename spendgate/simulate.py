@@ -45,18 +45,18 @@ from aiokafka import AIOKafkaConsumer
 
 from schemas.policies import Policy
 from spendgate.simulate_report import Report, chart, dumps
-from spendgate.simulation import Merged, Simulation, event_ms, judge, unsupported
+from spendgate.simulation import Merged, Simulation, caveats, event_ms, judge
 from streams.kafka_util import assign, partitions, stop
 from streams.settings import WorkerSettings
 
 __all__ = [
     "Report",
+    "caveats",
     "chart",
     "dumps",
     "judge",
     "run_simulation",
     "simulate",
-    "unsupported",
 ]
 
 Progress = Callable[[int, int], None]
@@ -108,7 +108,7 @@ async def simulate(
 
     Args:
         settings: where the topics are (and the prices file, the dedupe horizon).
-        draft: the draft policies (see :func:`unsupported`).
+        draft: the draft policies (see :func:`caveats` for what is left out).
         since: read from this time (broker time; default: the beginning).
         until: leave out records whose event time is later.
         progress: called with (records folded, records to fold).

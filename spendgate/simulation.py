@@ -30,13 +30,17 @@ from streams.ledger import KeyState
 #: Records folded together at most (as replay's batches).
 FOLD_BATCH = 2000
 
-__all__ = ["Merged", "Simulation", "Verdict", "event_ms", "judge", "unsupported"]
+__all__ = ["Merged", "Simulation", "Verdict", "caveats", "event_ms", "judge"]
 
 
-def unsupported(policies: Sequence[Policy]) -> list[str]:
-    """Why each draft this version cannot simulate is refused (empty: all can be)."""
-    del policies  # every field a draft may carry is simulated
-    return []
+def caveats(policies: Sequence[Policy]) -> list[str]:
+    """What the simulation leaves out for these drafts (empty: nothing)."""
+    return [
+        f"{p.id}: overage cap_next is not simulated (the next reservations are judged at "
+        "their estimates, not held at the observed ratio)"
+        for p in policies
+        if p.overage == "cap_next"
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import orjson
 from admission.decide import Planner
 from schemas.events import Subject, Usage
 from schemas.policies import Policy
-from spendgate.simulation import Merged, Simulation, judge, unsupported
+from spendgate.simulation import Merged, Simulation, caveats, judge
 
 
 def policy(pid: str, **fields: object) -> Policy:
@@ -44,14 +44,15 @@ class TestJudge:
         assert got.refused
 
 
-class TestUnsupported:
-    def test_every_draft_field_is_simulated(self) -> None:
+class TestCaveats:
+    def test_only_cap_next_is_left_out(self) -> None:
         drafts = [
             policy("b", burst={"rate": 5, "per": "1s", "capacity": 20}),
             policy("d", on_exceed="delay"),
             policy("r", on_exceed="route", route_to="west"),
+            policy("n", overage="cap_next"),
         ]
-        assert unsupported(drafts) == []
+        assert [c.split(":")[0] for c in caveats(drafts)] == ["n"]
 
 
 class TestActions:
