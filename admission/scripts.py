@@ -565,7 +565,7 @@ if outcome ~= 0 and outcome ~= 5 and not read_only then
              'at', at, 'out', string.format('%d', max_out), 'ttl', string.format('%d', ttl))
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
   redis.call('ZADD', KEYS[3], at, rid)
-  redis.call('SET', KEYS[1], table.concat(answer, ','), 'PX', tonumber(ARGV[3]))
+  redis.call('SET', KEYS[1], window_join(answer), 'PX', tonumber(ARGV[3]))
 end
 local out = {0}
 for i = 1, #answer do out[#out + 1] = answer[i] end
@@ -690,7 +690,7 @@ if outcome == 1 then
       redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
     end
   end
-  redis.call('SET', KEYS[1], table.concat(answer, ','), 'PX', tonumber(ARGV[2]))
+  redis.call('SET', KEYS[1], window_join(answer), 'PX', tonumber(ARGV[2]))
 end
 local out = {0}
 for i = 1, #answer do out[#out + 1] = answer[i] end

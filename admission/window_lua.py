@@ -36,6 +36,17 @@ __all__ = ["WINDOW_CHECK_SCRIPT", "WINDOW_LUA_LIB"]
 WINDOW_LUA_LIB = r"""
 -- spendgate window engine, twin of schemas/windows.py and schemas/window_codec.py.
 
+-- A reply stored as text: numbers as exact integers (table.concat would write one past
+-- 14 significant digits as "2.3706450097985e+15"), strings as they are.
+local function window_join(values)
+  local parts = {}
+  for i = 1, #values do
+    local v = values[i]
+    if type(v) == 'number' then parts[i] = string.format('%d', v) else parts[i] = v end
+  end
+  return table.concat(parts, ',')
+end
+
 -- x mod m for integers, result in [0, m), exact for |x| < 2^53.
 local function window_mod(x, m)
   local r = math.fmod(x, m)

@@ -82,6 +82,23 @@ class TestAtomicity:
         assert ttl_ms > policy.reservation_ttl_ms
         assert (await adm.admit("idem", input_tokens=60)).status_code == 429
 
+    async def test_a_repeat_answers_amounts_beyond_fourteen_digits_exactly(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        # The stored answer is text: Lua writes a number past 14 significant digits as
+        # "2.3706450097985e+15" unless each one is formatted as an integer (found by the
+        # OpenAPI fuzz as a 500 on a repeated request id).
+        adm = await make_admission()
+        big = 2_370_645_009_798_517
+        policy = policy_factory(limit=2**53 - 1, unit="input_tokens")
+        await adm.policies(policy)
+        rid = uuid.uuid4().hex
+        first = await adm.admit("idem", rid, input_tokens=big)
+        repeat = await adm.admit("idem", rid, input_tokens=big)
+        assert first.status_code == repeat.status_code == 200, repeat.text
+        assert repeat.json()["budgets"] == first.json()["budgets"]
+        assert first.json()["budgets"][0]["reserved"] == big
+
 
 class TestRejectAndHeaders:
     async def test_retry_after_is_exact_and_ratelimit_headers_name_the_tightest(
