@@ -12,6 +12,13 @@ Baselines measured in the same run:
   (b) ``empty``: a FastAPI app with one empty route served by uvicorn with the same
       options as ``spendgate admission`` (``admission.server.uvicorn_options``), and a
       bare ASGI endpoint on the same stack (the server's own cost).
+Every spendgate and Lua run also reports what each request cost where it ran, which
+contention on a shared machine moves far less than throughput: the admission server's
+CPU time per request (``/proc/<pid>/stat``, warm-up included) and Redis's own time per
+script calls per request (``INFO commandstats``: the admit script and any the server's
+background tasks ran meanwhile). A refused run sends requests that a 1-budget
+``reject`` policy refuses every time (its window is already over the limit): the plain
+reject path, with everything a refusal does (answer, Retry-After, refusal record).
 Also: ``spendgate admission --workers 2`` against the one-process server, and a policy
 scale run: one policy per tenant (exact ``match`` on ``tenant``), 10 against 10,000
 policies, each on its own server and key prefix, requests spread over every tenant.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -104,7 +112,8 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = float(spec["seconds"])
     cap = int(spec["max_requests"])
     # Warm up (connections, caches, the script cache); not recorded.
-    await asyncio.gather(*(safe(-1 - k) for k in range(min(100, cap))))
+    warmup = min(100, cap)
+    await asyncio.gather(*(safe(-1 - k) for k in range(warmup)))
     counter = iter(range(cap))
     start = time.perf_counter()
     if spec["mode"] == "closed":
@@ -143,6 +152,7 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - start
     return {
         "n": len(latencies),
+        "sent": len(latencies) + warmup,
         "elapsed_s": elapsed,
         "statuses": dict(statuses),
         "latencies": latencies,
@@ -176,10 +186,26 @@ def _tenant_policies(count: int) -> list[Any]:
     ]
 
 
+#: The refused runs' model: one ``reject`` policy whose prefilled window (60 x 100) is
+#: already past its limit, so every request is refused.
+REFUSED_MODEL = "mr"
+
+
 def _policies(budgets: list[int]) -> list[Any]:
     from schemas.policies import Policy
 
-    return [
+    refused = Policy.model_validate(
+        {
+            "id": "refused-0",
+            "match": {"model": REFUSED_MODEL},
+            "group_by": ["tenant"],
+            "unit": "total_tokens",
+            "limit": 1_000,
+            "window": WINDOW,
+            "bucket": BUCKET,
+        }
+    )
+    return [refused] + [
         Policy.model_validate(
             {
                 "id": f"b{n}-{i}",
@@ -214,7 +240,7 @@ async def _prepare(
     await ensure_topics(
         WorkerSettings(kafka_bootstrap=c.KAFKA, topic_prefix=f"{rid}.", partitions=1)
     )
-    models = [f"m{n}" for n in budgets]
+    models = [f"m{n}" for n in budgets] + [REFUSED_MODEL]
     if policies is None:
         policies = _policies(budgets)
     else:
@@ -241,6 +267,26 @@ def _absorb(rid: str) -> None:
     would absorb them; otherwise each run would scan the last run's pending entries."""
     for pattern in ("pw:", "pr:", "req:", "res:"):
         c.delete_redis_prefix(c.REDIS, f"{rid}:{pattern}")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _script_usec() -> int:
+    """Microseconds Redis has spent running scripts so far (its own count)."""
+    import redis
+
+    client = redis.Redis.from_url(c.REDIS)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(
+        int(stats.get(name, {}).get("usec", 0)) for name in ("cmdstat_evalsha", "cmdstat_eval")
+    )
 
 
 def _run_load(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
@@ -345,21 +391,30 @@ def main(argv: list[str] | None = None) -> int:
                 "rate": args.rate,
             }
 
-            def run(label: str, target: str, mode: str, n: int, port: int = 0) -> None:
+            def run(
+                label: str, target: str, mode: str, n: int, port: int = 0, model: str = ""
+            ) -> None:
                 spec = {
                     **base,
                     "label": label,
                     "target": target,
                     "mode": mode,
                     "budgets": n,
-                    "model": f"m{n}",
+                    "model": model or f"m{n}",
                     "port": port,
                     "tag": f"{rid}-{uuid.uuid4().hex[:6]}",
                     "connections": args.concurrency if mode == "closed" else 64,
                 }
+                cpu0 = _cpu_s(server.pid) if port == sg_port else None
+                usec0 = _script_usec()
                 results.append(_run_load(spec, tmp))
-                _absorb(rid)
+                usec1 = _script_usec()
                 last = results[-1]
+                if cpu0 is not None:
+                    last["server_us"] = 1e6 * (_cpu_s(server.pid) - cpu0) / last["sent"]
+                if cpu0 is not None or target == "lua":
+                    last["redis_us"] = (usec1 - usec0) / last["sent"]
+                _absorb(rid)
                 print(
                     f"  ran {label:34s} {mode:6s} n={last['n']:>7,} "
                     f"{last['n'] / last['elapsed_s']:>9,.0f}/s statuses={last['statuses']}",
@@ -371,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in budgets:
                 run(f"spendgate /v1/admit, {n} budget(s)", "http", "closed", n, sg_port)
                 run(f"baseline lua direct, {n} budget(s)", "lua", "closed", n)
+            refused = ("closed", 1)
+            run("spendgate /v1/admit refused, 1 budget", "http", *refused, sg_port, REFUSED_MODEL)
+            run("baseline lua direct refused, 1 budget", "lua", *refused, 0, REFUSED_MODEL)
             run("baseline empty endpoint (again)", "http", "closed", 1, empty_port)
             run("baseline empty endpoint", "http", "open", 1, empty_port)
             run("baseline bare asgi endpoint", "http", "open", 1, bare_port)
@@ -477,6 +535,9 @@ def _report(
                 r["mode"] if r["mode"] == "closed" else f"open {args.rate:.0f}/s",
                 r["n"],
                 ok / r["elapsed_s"],
+                r["n"] / r["elapsed_s"],
+                r.get("server_us", "-"),
+                r.get("redis_us", "-"),
                 s["p50_ms"],
                 s["p99_ms"],
                 s["p999_ms"],
@@ -491,6 +552,9 @@ def _report(
             "load",
             "requests",
             "admits/s (200)",
+            "answers/s",
+            "server CPU us/req",
+            "Redis script us/req",
             "p50 ms",
             "p99 ms",
             "p99.9 ms",
@@ -555,6 +619,15 @@ def _report(
                 + (f"; bare ASGI p99 {p99(bare_open):.2f} ms" if bare_open else "")
                 + (f"; lua direct p99 {p99(lua_open):.2f} ms" if lua_open else "")
             )
+    refused = first("spendgate /v1/admit refused", "closed")
+    if refused is not None:
+        print(
+            f"   1 budget, every request refused: {rate(refused):,.0f} answers/s = "
+            f"{100 * rate(refused) / empty_rps:.0f}% of empty; server CPU "
+            f"{refused.get('server_us', 0):,.0f} us/request, Redis "
+            f"{refused.get('redis_us', 0):,.0f} us in scripts/request (reported; compared across "
+            "versions in bench/RESULTS.md)"
+        )
     for n in budgets:
         multi = first(f"spendgate x{args.workers} processes, {n} ", "closed")
         single = first(f"spendgate /v1/admit, {n} ", "closed")
