@@ -468,13 +468,17 @@ def main(argv: list[str] | None = None) -> int:
                         sg_port,
                     )
             if args.profile:
-                out = tmp / "admission-profile.txt"
                 n = 5 if 5 in budgets else budgets[0]
-                spy = _profile.start(server.pid, max(2.0, args.seconds - 1), out)
-                run(f"spendgate (profiled), {n} budget(s)", "http", "closed", n, sg_port)
-                if spy is not None:
-                    spy.wait(timeout=60)
-                profile_lines = _profile.summarize(out, top=15)
+                for what, label, model in (
+                    ("admitted", f"spendgate (profiled), {n} budget(s)", ""),
+                    ("refused", "spendgate (profiled) refused, 1 budget", REFUSED_MODEL),
+                ):
+                    out = tmp / f"admission-profile-{what}.txt"
+                    spy = _profile.start(server.pid, max(2.0, args.seconds - 1), out)
+                    run(label, "http", "closed", 1 if model else n, sg_port, model)
+                    if spy is not None:
+                        spy.wait(timeout=60)
+                    profile_lines += [f"{label}:", *_profile.summarize(out, top=15)]
         for count in scales:
             srid = f"{rid}s{count}"
             asyncio.run(_prepare(srid, [], count, _tenant_policies(count)))
