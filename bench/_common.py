@@ -56,13 +56,13 @@ def wait_http(port: int, path: str = "/healthz", timeout_s: float = 30.0) -> Non
 
 @contextlib.contextmanager
 def process(
-    argv: Sequence[str], env: dict[str, str], log: Path
+    argv: Sequence[str], env: dict[str, str], log: Path, cwd: Path = ROOT
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run a child process for the block; SIGTERM then SIGKILL it afterwards (by pid)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            list(argv), env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+            list(argv), env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=cwd
         )
     try:
         yield proc

@@ -324,12 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="processes of the multi-process run")
     ap.add_argument("--plots", default=str(c.PLOTS), help="where PNGs go ('' for none)")
     ap.add_argument("--load", help=argparse.SUPPRESS)
+    ap.add_argument("--prepare", help=argparse.SUPPRESS)
     c.add_check_flag(ap)
     args = ap.parse_args(argv)
     if args.load:
         _load_main(args.load)
         return 0
     budgets = [int(x) for x in args.budgets.split(",")]
+    if args.prepare:
+        # bench.admission_ab: each checkout prepares its own prefix with its own code.
+        asyncio.run(_prepare(args.prepare, budgets, args.tenants))
+        return 0
     if args.smoke:
         args.seconds, args.rate, args.tenants, args.max_requests = 0.5, 200.0, 20, 200
         budgets = [1]
