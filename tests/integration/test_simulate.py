@@ -203,14 +203,23 @@ def draft() -> Policy:
     )
 
 
+def generate_refusing(seed: str, base_ms: int, at_least: int) -> History:
+    """The first history drawn from ``seed`` (then ``seed-1``, ``seed-2``...) whose draft
+    refuses ``at_least`` requests: some seeds draw too little demand to refuse anything."""
+    for attempt in range(50):
+        h = generate(seed if attempt == 0 else f"{seed}-{attempt}", base_ms)
+        if sum(map(len, h.refused.values())) >= at_least:
+            return h
+    raise AssertionError(f"no history from {seed} refuses {at_least} requests")
+
+
 class TestSimulate:
     async def test_reports_exactly_the_model_s_refusals_and_touches_nothing(
         self, worker_settings: WorkerSettings, redis_sync: redis.Redis, tmp_path: Path
     ) -> None:
         await ensure_topics(worker_settings)
         base_ms = (int(datetime.now(UTC).timestamp() * 1000) - 3_600_000) // 1000 * 1000
-        h = generate(f"{RUN_SEED}-simulate", base_ms)
-        assert sum(map(len, h.refused.values())) >= 5, "the draft must refuse something"
+        h = generate_refusing(f"{RUN_SEED}-simulate", base_ms, at_least=5)
         await produce(worker_settings.kafka_bootstrap, worker_settings.topic("usage"), h.usage)
         await produce(
             worker_settings.kafka_bootstrap, worker_settings.topic("refusals"), h.refusals
