@@ -20,7 +20,14 @@ from spendgate.simulate import simulate
 from streams.settings import WorkerSettings
 from streams.topics import ensure_topics
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_all, window_sum
+from tests.fixtures.kafka_io import (
+    buckets,
+    eventually,
+    pending_sum,
+    read_all,
+    read_records,
+    window_sum,
+)
 from tests.fixtures.pipeline import ApplyPolicies
 
 pytestmark = pytest.mark.integration
@@ -98,6 +105,42 @@ class TestRefusalsTopic:
         await asyncio.sleep(1.0)  # had the refusal been charged, 50 more would show by now
         assert window_sum(redis_sync, prefix, key) == 100
         assert pending_sum(redis_sync, prefix, key) == 0
+
+
+class TestRefusalBatches:
+    async def test_every_refusal_is_sent_once_keyed_by_its_subject(
+        self, worker_settings: WorkerSettings
+    ) -> None:
+        """Refusals go out in record batches per partition (more than one when a batch is
+        full): each arrives exactly once, and a subject's refusals share one partition."""
+        await ensure_topics(worker_settings)
+        topic = worker_settings.topic("refusals")
+        tenants = [f"t{n}" for n in range(7)]
+        at = datetime.now(UTC)
+        sent = {
+            f"q{n}": tenants[n % len(tenants)] for n in range(2_500)
+        }  # ~60 records fill a 16 KiB batch: dozens of full batches
+        async with KafkaRefusals(worker_settings.kafka_bootstrap, topic, buffer=len(sent)) as sink:
+            for rid, tenant in sent.items():
+                assert sink.offer(
+                    Refusal(
+                        request_id=rid,
+                        subject=Subject(tenant=tenant),
+                        estimate=Usage(input_tokens=5),
+                        violated=["p"],
+                        at=at,
+                    )
+                )
+            assert await sink.flush(20.0)
+        records = await read_records(worker_settings.kafka_bootstrap, topic)
+        got = [Refusal.model_validate_json(r.value or b"") for r in records]
+        assert sorted(r.request_id for r in got) == sorted(sent)
+        assert all(sent[r.request_id] == r.subject.tenant for r in got)
+        partitions_of: dict[str, set[int]] = {}
+        for record, refusal in zip(records, got, strict=True):
+            partitions_of.setdefault(refusal.subject.tenant, set()).add(record.partition)
+            assert record.key == refusal.subject.tenant.encode()
+        assert all(len(p) == 1 for p in partitions_of.values()), partitions_of
 
 
 class TestRefusalGaps:
