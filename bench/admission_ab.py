@@ -134,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="rounds per phase")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per round")
     ap.add_argument("--connections", type=int, default=1, help="connection pairs")
+    ap.add_argument("--smoke", action="store_true", help="one short round (CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.seconds = 1, 0.5
     rid = c.run_id("ab")
     sides = [
         Side("this", c.ROOT, f"{rid}t", c.free_port()),

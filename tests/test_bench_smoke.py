@@ -76,6 +76,20 @@ class TestBenchSmoke:
         assert "baseline lua direct" in out
         assert "baseline empty endpoint" in out
         assert "targets:" in out
+        (refused,) = [r for r in _table(out) if r["run"].startswith("spendgate /v1/admit refused")]
+        assert refused["statuses"].startswith("429:") and "," not in refused["statuses"], refused
+
+    def test_admission_ab_against_itself(self, services: Services) -> None:
+        """Both servers run and answer as expected (the tool fails on any other status)."""
+        out = _run("bench.admission_ab", services, 120.0, "--against", str(ROOT))
+        rows = _table(out)
+        assert [(r["requests"], r["server"]) for r in rows] == [
+            ("admitted", "this"),
+            ("admitted", "against"),
+            ("refused", "this"),
+            ("refused", "against"),
+        ]
+        assert all(int(r["n"].replace(",", "")) > 0 for r in rows), rows
 
     def test_overshoot(self, services: Services) -> None:
         out = _run("bench.overshoot", services, 60.0, "--check")  # exits 1 on a miss
