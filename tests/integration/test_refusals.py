@@ -112,7 +112,8 @@ class TestRefusalBatches:
         self, worker_settings: WorkerSettings
     ) -> None:
         """Refusals go out in record batches per partition (more than one when a batch is
-        full): each arrives exactly once, and a subject's refusals share one partition."""
+        full), 1,000 a pass: each arrives exactly once, and a subject's refusals share one
+        partition."""
         await ensure_topics(worker_settings)
         topic = worker_settings.topic("refusals")
         tenants = [f"t{n}" for n in range(7)]
