@@ -4,14 +4,13 @@ A refusal is history, not accounting: nothing waits for it, nothing retries it f
 The admit path hands it over (:meth:`KafkaRefusals.offer`, O(1), never blocks); a
 background task wakes at most once per linger (0.1 s) and sends what queued meanwhile (up
 to 1,000 a pass) as one record batch per partition with ``acks=1``, never awaited on the
-admit path. (It
-sent each refusal on its own: ``bench.admission_ab`` measured 1.42x the server CPU per
-refused request of the version before refusals were published, at one connection.) When
-the bounded buffer is full (Kafka slow or down), the refusal is dropped and counted in
+admit path. (Sent one by one, a refusal cost 1.42x the server CPU of a refused request
+before refusals were published, at one connection; ``bench.admission_ab``.) When the
+bounded buffer is full (Kafka slow or down), the refusal is dropped and counted in
 ``spendgate_admission_refusals_total{result="dropped"}``; ``simulate`` reports how many
-were dropped, since history is incomplete there: once the publisher can send again it publishes a
-:class:`schemas.refusals.RefusalGap` (how many, since when) on the same topic. Drops at
-shutdown are only logged and counted.
+were dropped, since history is incomplete there: once the publisher can send again it
+publishes a :class:`schemas.refusals.RefusalGap` (how many, since when) on the same topic.
+Drops at shutdown are only logged and counted.
 """
 
 from __future__ import annotations
