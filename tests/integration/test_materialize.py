@@ -155,6 +155,14 @@ class TestMemory:
         assert used is not None and used <= limit_bytes, used
 
 
+def _hour_state(amount: int, version: int) -> KeyState:
+    """A 1 h / 1 m key holding ``amount`` in one bucket, at ``version`` (records applied)."""
+    state = KeyState(buckets={60_000: amount}, bucket_ms=60_000, window_ms=3_600_000)
+    state.offsets = {0: version - 1}
+    assert state.version == version
+    return state
+
+
 class TestHealScript:
     async def test_a_heal_never_overwrites_a_newer_window(
         self, redis_client: aioredis.Redis, key_prefix: str
@@ -162,10 +170,8 @@ class TestHealScript:
         client, prefix = redis_client, key_prefix
         materializer = RedisMaterializer(client, prefix)
         spec = WindowSpec(3_600_000, 60_000)
-        newer = KeyState(buckets={60_000: 7}, bucket_ms=60_000, window_ms=3_600_000)
-        newer.offsets = {0: 9}  # version 10
-        older = KeyState(buckets={60_000: 3}, bucket_ms=60_000, window_ms=3_600_000)
-        older.offsets = {0: 4}  # version 5
+        newer = _hour_state(7, version=10)
+        older = _hour_state(3, version=5)
         try:
             await materializer.absorb(
                 "k", window_codec.encode(newer.buckets, 60_000), spec, [], version=newer.version
@@ -191,10 +197,8 @@ class TestHealScript:
         client, prefix = redis_client, key_prefix
         materializer = RedisMaterializer(client, prefix)
         spec = WindowSpec(3_600_000, 60_000)
-        older = KeyState(buckets={60_000: 7}, bucket_ms=60_000, window_ms=3_600_000)
-        older.offsets = {0: 4}  # version 5
-        same = KeyState(buckets={60_000: 7}, bucket_ms=60_000, window_ms=3_600_000)
-        same.offsets = {0: 9}  # version 10, the same window
+        older = _hour_state(7, version=5)
+        same = _hour_state(7, version=10)  # the same window
         try:
             await materializer.absorb(
                 "k", window_codec.encode(older.buckets, 60_000), spec, [], version=older.version

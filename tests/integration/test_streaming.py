@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import uuid
 from datetime import UTC, datetime
@@ -12,14 +11,14 @@ import pytest
 import redis
 
 from admission.client import AsyncAdmissionClient
-from schemas.alerts import Alert, alert_id
+from schemas.alerts import alert_id
 from schemas.events import Usage
 from schemas.redis_keys import window_key
 from streams.replay import replay
 from streams.settings import WorkerSettings
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_all, window_sum
+from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_alerts, window_sum
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 
 pytestmark = pytest.mark.integration
@@ -157,17 +156,9 @@ class TestOverage:
             ),
             what="charged in full",
         )
-        alerts: list[Alert] = []
-
-        async def overage_alerts() -> list[Alert]:
-            raw = await read_all(worker_settings.kafka_bootstrap, worker_settings.topic("alerts"))
-            return [a for a in map(Alert.model_validate_json, raw) if a.kind == "overage"]
-
-        for _ in range(100):
-            alerts = await overage_alerts()
-            if alerts:
-                break
-            await asyncio.sleep(0.2)
+        alerts = await read_alerts(
+            worker_settings.kafka_bootstrap, worker_settings.topic("alerts"), kind="overage"
+        )
         assert len(alerts) == 1
         alert = alerts[0]
         assert (alert.policy, alert.key, alert.reservation_id) == (policy.id, key, rid)

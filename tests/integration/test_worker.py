@@ -14,14 +14,13 @@ import httpx
 import pytest
 import redis
 
-from schemas.alerts import Alert
 from schemas.deadletter import DeadLetter
 from schemas.redis_keys import window_key
 from streams.replay import replay
 from streams.settings import WorkerSettings
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import buckets, eventually, produce, read_all, window_sum
+from tests.fixtures.kafka_io import buckets, eventually, produce, read_alerts, read_all, window_sum
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 
 pytestmark = pytest.mark.integration
@@ -111,15 +110,9 @@ class TestWorker:
         key = f"{policy.id}|tenant=acme"
         await eventually(lambda: window_sum(redis_sync, worker_settings.redis_prefix, key) == 120)
 
-        live: list[Alert] = []
-        for _ in range(150):
-            values = await read_all(
-                worker_settings.kafka_bootstrap, worker_settings.topic("alerts")
-            )
-            live = [Alert.model_validate_json(v) for v in values]
-            if len(live) >= 3:
-                break
-            await asyncio.sleep(0.2)
+        live = await read_alerts(
+            worker_settings.kafka_bootstrap, worker_settings.topic("alerts"), at_least=3
+        )
         assert sorted((a.kind, a.threshold) for a in live) == [
             ("exhausted", None),
             ("threshold", 0.5),
@@ -260,15 +253,7 @@ class TestForecastAlerts:
         await send(worker_settings, *reversed(spent))
         key = f"{policy.id}|tenant=acme"
         await eventually(lambda: window_sum(redis_sync, worker_settings.redis_prefix, key) == 300)
-        live: list[Alert] = []
-        for _ in range(150):
-            values = await read_all(
-                worker_settings.kafka_bootstrap, worker_settings.topic("alerts")
-            )
-            live = [Alert.model_validate_json(v) for v in values]
-            if live:
-                break
-            await asyncio.sleep(0.2)
+        live = await read_alerts(worker_settings.kafka_bootstrap, worker_settings.topic("alerts"))
         (alert,) = live
         assert alert.kind == "forecast" and alert.key == key
         assert alert.exhausts_in_seconds is not None and 0 < alert.exhausts_in_seconds <= 1800
