@@ -239,8 +239,6 @@ local function window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   return nil, false
 end
 
--- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
--- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
 -- Milliseconds from t_ms until every amount counted at t_ms has aged out, assuming no new
 -- usage and, when own > 0, a reservation of the caller's in the bucket of t_ms.
 local function window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, own)
@@ -261,6 +259,8 @@ local function window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   return gone - t_ms
 end
 
+-- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
+-- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
 local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary)
   local starts, amounts, n = window_decode(raw, bucket_ms)
   local absorbed = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)

@@ -179,8 +179,8 @@ def _solve_piece(
     if lo >= hi:
         return None
     w, b, boundary = spec.window_ms, spec.bucket_ms, spec.boundary
+    first = _boundary_part(boundary, edge, b - 1 - lo % b, b)
     if boundary == "prorate" and edge:
-        first = _boundary_part(boundary, edge, b - 1 - lo % b, b)
         last = _boundary_part(boundary, edge, b - 1 - (hi - 1) % b, b)
         if first != last:
             grown_max = recent * min(hi - 1 - t_ms, w) // elapsed
@@ -191,11 +191,7 @@ def _solve_piece(
                 if full + part + recent * min(at - t_ms, w) // elapsed >= limit:
                     return at - t_ms
             return None
-        have = full + first
-    elif boundary == "include" and edge and lo % b != b - 1:
-        have = full + edge
-    else:
-        have = full
+    have = full + first
     need = limit - have
     d = 0 if need <= 0 else -((-need * elapsed) // recent)
     d = max(d, lo - t_ms)
