@@ -106,10 +106,25 @@ def unpublished_reserves_key(prefix: str) -> str:
 
 def marks_key(prefix: str) -> str:
     """Hash of the applied marks, one field per worker partition (``schemas.shards``):
-    value = the applied watermark in ms on the Redis clock. A field exists only while its
+    value = the applied watermark W in ms (every record of the partition with a log-append
+    time <= W is applied in Redis; see ``streams.marks``). A field exists only while its
     worker vouches for every window of that partition; the admit script refuses to decide
     on a key whose marks are missing or older than the staleness bound."""
     return f"{prefix}marks"
+
+
+def mark_owners_key(prefix: str) -> str:
+    """Hash of the fencing token of each mark's owner (same fields as :func:`marks_key`):
+    an integer issued by Redis (HINCRBY) each time a worker is assigned the partition. The
+    mark script refuses a write with a lower token, or a lower watermark with the same."""
+    return f"{prefix}marks:owner"
+
+
+def mark_progress_key(prefix: str) -> str:
+    """Hash of each mark's progress as its owner last saw it (same fields as
+    :func:`marks_key`): ``"<records behind>:<Redis ms when measured>"``, written with the
+    mark (``GET /v1/status`` shows it as the worker's lag)."""
+    return f"{prefix}marks:progress"
 
 
 def topology_key(prefix: str) -> str:
