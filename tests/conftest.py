@@ -3,7 +3,11 @@
 Every random input varies from run to run (CI included) and derives from one seed,
 ``tests.fixtures.seeds.RUN_SEED``: printed in the header and beside each failure, and set
 with ``SPENDGATE_TEST_SEED=<n>`` to reproduce a run. Hypothesis gets the same seed through
-its global seed (what ``--hypothesis-seed`` sets), so its examples reproduce too.
+its global seed (what ``--hypothesis-seed`` sets), so its examples reproduce too. That seed
+is the same number for every property: hypothesis seeds each test's generator with it as it
+is (``hypothesis.core.get_random_for_wrapped_test``), it derives nothing per test, so two
+properties drawing the same strategies draw the same examples within a run; across runs
+they all change.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ settings.load_profile("spendgate-ci" if IN_CI else "spendgate-dev")
 
 def pytest_configure(config: pytest.Config) -> None:
     # --hypothesis-seed on the command line wins; else every property runs on this run's
-    # seed (hypothesis draws its own per test from it, reproducible by SPENDGATE_TEST_SEED).
+    # seed, the same one for each test (hypothesis derives no per-test seed from it), and
+    # SPENDGATE_TEST_SEED reproduces it.
     if config.getoption("hypothesis_seed", default=None) is None:
         hypothesis_core.global_force_seed = RUN_SEED
 
