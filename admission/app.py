@@ -51,6 +51,7 @@ from admission.exceptions import (
     AdmissionError,
     AlreadySettled,
     BadRequest,
+    Forbidden,
     OutcomeUnknown,
     Overloaded,
     PublishUnavailable,
@@ -68,6 +69,7 @@ from admission.metrics import (
 )
 from admission.publisher import UsagePublisher
 from admission.refusals import RefusalSink
+from admission.status import StackStatus, read_status
 from admission.store import BudgetStore
 from admission.wire import BodyGuard, error_content, error_headers, error_of
 from schemas.decisions import AdmitRequest, Decision
@@ -386,6 +388,38 @@ def create_app(
             for p, b in zip((c.target.policy for c in charges), held, strict=True)
         ]
         return BudgetList.model_validate({"budgets": statuses(charges, result.keys, ahead)})
+
+    @api.get(
+        "/status",
+        response_model=StackStatus,
+        responses={
+            401: _ERRORS[401],
+            403: _ERRORS[403],
+            503: {
+                "model": ErrorBody,
+                "description": "Redis does not answer (`store_unavailable`), or this process "
+                "is saturated (`overloaded`)",
+            },
+        },
+        summary="Can the stack decide? Every partition mark: vouched, stale or missing.",
+        description=(
+            "Per partition mark of the worker's topology (`usage:<p>`, `keyed:<p>`): its "
+            "state as the admit script classifies it (missing: no mark; stale: the "
+            "watermark is older than `staleness_ms` on the Redis clock; else vouched), the "
+            "watermark and its age, the worker's last reported lag and the mark's fencing "
+            "token. `decidable`: every mark vouched. 200 whenever Redis answers (read "
+            "`decidable`); 503 when it does not. Needs a token that reads every tenant "
+            "(`operator` or `*`): the marks describe every tenant's partitions."
+        ),
+    )
+    async def status(who: Principal = Depends(principal)) -> StackStatus:  # noqa: B008
+        if not (who.operator or who.tenants is None):
+            raise Forbidden(
+                "the stack's status covers every tenant: it needs an operator or '*' token"
+            )
+        return await store._call(
+            "status", lambda: read_status(store.client, store.prefix, store.staleness_ms)
+        )
 
     app.include_router(api)
 

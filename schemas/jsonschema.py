@@ -15,6 +15,7 @@ from schemas.events import UsageEvent
 from schemas.policies import Policy
 from schemas.prices import PriceCatalog
 from schemas.refusals import Refusal, RefusalGap
+from schemas.status import StackStatus
 
 _DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, tuple[str, Any, Literal["validation", "serialization"]]] = {
     "dead-letter.json": ("DeadLetter", DeadLetter, "serialization"),
     "refusal.json": ("Refusal", Refusal, "serialization"),
     "refusal-gap.json": ("RefusalGap", RefusalGap, "serialization"),
+    "status.json": ("StackStatus", StackStatus, "serialization"),
 }
 
 

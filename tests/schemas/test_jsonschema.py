@@ -41,6 +41,7 @@ class TestExport:
             "dead-letter.json",
             "refusal.json",
             "refusal-gap.json",
+            "status.json",
         }
 
     def test_files_are_pretty_sorted_json_with_a_trailing_newline(self) -> None:
