@@ -45,9 +45,7 @@ class WorkerHealth:
         """Assigned, every owned partition vouched for, and updated recently."""
         with self._lock:
             fresh = time.monotonic() - self._updated <= self.stale_after_s
-            return (
-                self._assigned and fresh and all(p.state == "vouched" for p in self._partitions)
-            )
+            return self._assigned and fresh and all(p.state == "vouched" for p in self._partitions)
 
     def snapshot(self) -> dict[str, Any]:
         """The JSON body of the readiness endpoint."""
