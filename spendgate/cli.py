@@ -89,7 +89,9 @@ def dev_down(
 
 @dev.command("status")
 def dev_status() -> None:
-    """Show whether the local Kafka and Redis are running, their pids, ports and logs."""
+    """Show whether the local Kafka and Redis are running, their pids, ports and logs; then
+    whether the stack can decide (every partition mark vouched, read from Redis as
+    GET /v1/status reads it) and the worker's readiness (its /readyz on the metrics port)."""
     from spendgate.devstack import KAFKA_VERSION, LocalStack, StackSettings
 
     table = Table("service", "state", "pid", "port", "log")
@@ -97,7 +99,77 @@ def dev_status() -> None:
         name = f"kafka {KAFKA_VERSION}" if s.name == "kafka" else s.name
         state = "[green]running[/]" if s.running else "[red]stopped[/]"
         table.add_row(name, state, str(s.pid or "-"), str(s.port), str(s.log))
-    Console().print(table)
+    out = Console()
+    out.print(table)
+    _print_decidability(out)
+    _print_worker_readiness(out)
+
+
+_STATE_STYLE = {"vouched": "green", "stale": "yellow", "missing": "red"}
+
+
+def _print_decidability(out: Console) -> None:
+    """The partition marks of the default settings' Redis prefix, as admission sees them."""
+    import redis
+
+    from admission.settings import AdmissionSettings
+    from admission.status import read_status_sync
+
+    settings = AdmissionSettings()
+    client = redis.Redis.from_url(
+        settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+    )
+    try:
+        status = read_status_sync(client, settings.redis_prefix, int(settings.staleness_s * 1000))
+    except redis.RedisError as exc:
+        say("decidable:", "yellow", f"unknown (Redis at {settings.redis_url}: {exc})", out=out)
+        return
+    finally:
+        client.close()
+    where = f"prefix {settings.redis_prefix!r}, staleness bound {status.staleness_ms} ms"
+    if status.decidable:
+        say("decidable:", "green", f"yes ({where}, {status.policies} policies)", out=out)
+    else:
+        say("decidable:", "red", f"no ({where}): {status.reason}", out=out)
+    if not status.partitions:
+        return
+    marks = Table("mark", "state", "age ms", "behind", "lag age ms", "owner")
+    for p in status.partitions:
+        marks.add_row(
+            p.field,
+            Text(p.state, style=_STATE_STYLE[p.state]),
+            "-" if p.age_ms is None else str(p.age_ms),
+            "-" if p.lag is None else str(p.lag.records_behind),
+            "-" if p.lag is None else str(p.lag.age_ms),
+            "-" if p.owner_token is None else str(p.owner_token),
+        )
+    out.print(marks)
+
+
+def _print_worker_readiness(out: Console) -> None:
+    """The worker's /readyz on its metrics port (default settings), when it answers."""
+    import httpx
+
+    from streams.settings import WorkerSettings
+
+    port = WorkerSettings().metrics_port
+    if not port:
+        say("worker:", "yellow", "metrics port off (SPENDGATE_METRICS_PORT=0)", out=out)
+        return
+    url = f"http://127.0.0.1:{port}/readyz"
+    try:
+        answer = httpx.get(url, timeout=1.0)
+        body = answer.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        say("worker:", "yellow", f"no answer at {url} ({type(exc).__name__})", out=out)
+        return
+    owned = body.get("partitions", []) if isinstance(body, dict) else []
+    detail = ", ".join(f"{p.get('field')} {p.get('state')}" for p in owned) or "no partitions"
+    if answer.status_code == 200:
+        say("worker:", "green", f"ready at {url}: {detail}", out=out)
+    else:
+        assigned = body.get("assigned") if isinstance(body, dict) else None
+        say("worker:", "red", f"not ready at {url} (assigned: {assigned}): {detail}", out=out)
 
 
 @app.command("worker")
@@ -493,11 +565,19 @@ def demo(
     chart: Annotated[
         Path, typer.Option(help="Where to write the PNG chart of usage against limit.")
     ] = Path("demo-out/demo-usage.png"),
+    wait: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="First wait up to this many seconds for the stack to decide (GET /v1/status: "
+            "policies loaded, every partition mark vouched); 0: start at once.",
+        ),
+    ] = 60.0,
 ) -> None:
     """Run a short demo workload against a running worker and admission service."""
     from spendgate.demo import run_demo
 
-    run_demo(base_url=url, seconds=seconds, chart=chart)
+    run_demo(base_url=url, seconds=seconds, chart=chart, wait_s=wait)
 
 
 def main() -> None:

@@ -493,6 +493,42 @@ def write_chart(tally: Tally, path: Path) -> Path:
     return path
 
 
+def wait_until_decidable(
+    base_url: str, timeout_s: float, *, token: str | None = None, poll_s: float = 0.5
+) -> dict[str, Any]:
+    """Wait until the admission service is ready (``/readyz``) and the stack can decide
+    (``GET /v1/status``: policies materialized and every partition mark vouched).
+
+    Returns:
+        The last ``/v1/status`` body.
+
+    Raises:
+        TimeoutError: not so within ``timeout_s``; the message says what was missing.
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + timeout_s
+    missing = f"admission does not answer at {base_url}"
+    with httpx.Client(base_url=base_url, timeout=2.0, headers=headers) as http:
+        while True:
+            try:
+                ready = http.get("/readyz")
+                answer = http.get("/v1/status") if ready.status_code == 200 else None
+                if answer is None:
+                    missing = f"admission is not ready (/readyz answered {ready.status_code})"
+                elif answer.status_code != 200:
+                    missing = f"/v1/status answered {answer.status_code}: {answer.text[:300]}"
+                else:
+                    status: dict[str, Any] = answer.json()
+                    if status["decidable"] and status["policies"]:
+                        return status
+                    missing = status["reason"] or "no policies are materialized in Redis yet"
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                missing = f"admission does not answer at {base_url}: {exc}"
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the stack cannot decide after {timeout_s:g} s: {missing}")
+            time.sleep(poll_s)
+
+
 def run_demo(
     base_url: str = "http://127.0.0.1:8787",
     seconds: float = 40.0,
@@ -500,15 +536,24 @@ def run_demo(
     chart: str | Path | None = DEFAULT_CHART,
     seed: int | None = None,
     late_reports: bool = True,
+    wait_s: float = 0.0,
 ) -> Tally:
     """Drive admits, streaming generations, cancellations and late usage reports for
     ``seconds``, show the windows fill, and write a PNG chart to ``chart`` (None: no chart).
 
-    Late reports go straight to Kafka (``SPENDGATE_KAFKA_BOOTSTRAP`` /
-    ``SPENDGATE_TOPIC_PREFIX``, as the worker reads them).
+    With ``wait_s`` > 0, first wait that long at most for the stack to decide
+    (:func:`wait_until_decidable`). Late reports go straight to Kafka
+    (``SPENDGATE_KAFKA_BOOTSTRAP`` / ``SPENDGATE_TOPIC_PREFIX``, as the worker reads them).
     """
-    tally = asyncio.run(_run(base_url, seconds, seed, late_reports))
     console = Console()
+    if wait_s > 0:
+        with console.status("waiting for the stack to decide (GET /v1/status) ..."):
+            status = wait_until_decidable(base_url, wait_s)
+        console.print(
+            f"stack decides: {status['counts']['vouched']} partition marks vouched, "
+            f"{status['policies']} policies"
+        )
+    tally = asyncio.run(_run(base_url, seconds, seed, late_reports))
     console.print(
         f"demo done: {tally.admitted} admitted, {tally.refused} refused, "
         f"{tally.committed} committed, {tally.cancelled} cancelled, "

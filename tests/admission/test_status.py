@@ -7,15 +7,26 @@ status reports is checked against what the admit script answers on the same mark
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from admission.auth import Authorizer
 from admission.status import read_status, read_status_sync
 from schemas.redis_keys import mark_owners_key, mark_progress_key, marks_key, topology_key
 from schemas.shards import partition_for, usage_mark
+from spendgate.demo import wait_until_decidable
 from streams.materialize import RedisMaterializer
-from tests.fixtures.admission import TOPOLOGY, Admission, MakeAdmission, free_port
+from tests.fixtures.admission import (
+    TOPOLOGY,
+    VOUCHED,
+    Admission,
+    LiveServer,
+    MakeAdmission,
+    free_port,
+)
 from tests.fixtures.factories import PolicyFactory
 
 pytestmark = pytest.mark.integration
@@ -91,8 +102,9 @@ class TestStates:
         assert by["usage:1"].state == "stale"
         assert by["usage:2"].state == "missing" and by["keyed:3"].state == "missing"
         assert by["usage:0"].watermark_ms == now
-        assert 0 <= (by["usage:0"].age_ms or -1) < 5_000
-        assert STALENESS_MS + 5_000 <= (by["usage:1"].age_ms or 0) < STALENESS_MS + 10_000
+        fresh, old = by["usage:0"].age_ms, by["usage:1"].age_ms
+        assert fresh is not None and 0 <= fresh < 5_000
+        assert old is not None and STALENESS_MS + 5_000 <= old < STALENESS_MS + 10_000
         assert by["usage:1"].topic == "usage" and by["usage:1"].partition == 1
         assert by["keyed:3"].topic == "keyed" and by["keyed:3"].partition == 3
         assert status.counts == {"vouched": 2, "stale": 1, "missing": 5}
@@ -229,3 +241,26 @@ class TestAuthAndFailures:
         ok = doc["paths"]["/v1/status"]["get"]["responses"]["200"]
         assert ok["content"]["application/json"]["schema"]["$ref"].endswith("/StackStatus")
         assert "PartitionStatus" in doc["components"]["schemas"]
+
+
+class TestDemoWaits:
+    def test_the_demo_waits_on_the_status(
+        self, live_admission: LiveServer, redis_sync: redis.Redis, policy_factory: PolicyFactory
+    ) -> None:
+        url, prefix = live_admission.url, live_admission.settings.redis_prefix
+        with pytest.raises(TimeoutError, match="no topology"):
+            wait_until_decidable(url, 0.5, token="tok-all", poll_s=0.1)
+        with pytest.raises(TimeoutError, match="403"):
+            wait_until_decidable(url, 0.2, token="tok-acme", poll_s=0.1)
+
+        async def stand_in() -> None:
+            client = aioredis.Redis.from_url(live_admission.settings.redis_url)
+            await RedisMaterializer(client, prefix).stand_in([policy_factory()], TOPOLOGY, VOUCHED)
+            await client.aclose()
+
+        asyncio.run(stand_in())
+        status = wait_until_decidable(url, 10, token="tok-all", poll_s=0.1)
+        assert status["decidable"] is True and status["policies"] == 1
+        redis_sync.hdel(marks_key(prefix), "keyed:2")
+        with pytest.raises(TimeoutError, match="keyed:2 missing"):
+            wait_until_decidable(url, 0.3, token="tok-all", poll_s=0.1)
