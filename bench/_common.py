@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -54,15 +56,39 @@ def wait_http(port: int, path: str = "/healthz", timeout_s: float = 30.0) -> Non
     raise TimeoutError(f"nothing answered on :{port}{path} within {timeout_s}s")
 
 
+#: ``prctl(2)`` (Linux), looked up here: the child calls it between fork and exec, where
+#: nothing may import or take a lock.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """In the child, before exec: be SIGKILLed when ``parent`` dies (Linux), or exit now if
+    it is already gone. A benchmark killed by a timeout (SIGKILL: no ``finally`` runs)
+    leaves none of its children behind."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 @contextlib.contextmanager
 def process(
     argv: Sequence[str], env: dict[str, str], log: Path, cwd: Path = ROOT
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run a child process for the block; SIGTERM then SIGKILL it afterwards (by pid)."""
+    """Run a child process for the block; SIGTERM then SIGKILL it afterwards (by pid).
+
+    The child also dies with this process, however it ends (``_die_with``)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    parent = os.getpid()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            list(argv), env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=cwd
+            list(argv),
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            preexec_fn=lambda: _die_with(parent),
         )
     try:
         yield proc

@@ -53,14 +53,22 @@ def _noop_faust(s: Any, tmp: Path, events: int, batch: int) -> dict[str, Any]:
     out = Path(spec["out"])
     with c.process(
         [c.python(), "-m", "bench._noop_faust", str(tmp / "noop-spec.json")], {}, tmp / "noop.log"
-    ):
+    ) as child:
         deadline = time.monotonic() + max(300.0, events / 500)
-        while not out.exists() and time.monotonic() < deadline:
+        while not out.exists() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
+        time.sleep(0.1)  # the child writes the file in one call; let it land
     if not out.exists():
+        print(f"  no-op faust agent wrote no result; log: {tmp / 'noop.log'}", flush=True)
         return {"ok": False}
-    time.sleep(0.1)  # the child writes the file in one call; let it land
     return {"ok": True, **json.loads(out.read_text())}
+
+
+def _noop_rate(noop: dict[str, Any]) -> float:
+    """The no-op agent's records/s; NaN when it timed nothing (all in its first batch)."""
+    if not noop["ok"] or noop["n"] <= 0 or noop["seconds"] <= 0:
+        return float("nan")
+    return float(noop["n"] / noop["seconds"])
 
 
 def _records(events: int, keys: int, partitions: int) -> list[Any]:
@@ -165,9 +173,10 @@ def _metric(port: int, name: str) -> float:
 
 
 def _throughput(
-    port: int, events: int, timeout_s: float, pid: int, profile: Path | None
+    port: int, events: int, timeout_s: float, worker: Any, profile: Path | None
 ) -> dict[str, Any]:
-    """Poll the worker's metrics until it applied ``events`` keyed records."""
+    """Poll the worker's metrics until it applied ``events`` keyed records (or it exits)."""
+    pid = worker.pid
     t_start = time.perf_counter()
     first = None
     series: list[tuple[float, float]] = []
@@ -175,7 +184,7 @@ def _throughput(
     deadline = t_start + timeout_s
     done = None
     idle = t_start  # the last poll that saw nothing applied yet
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and worker.poll() is None:
         applied = _metric(port, "spendgate_keyed_records_total")
         now = time.perf_counter()
         if applied <= 0:
@@ -369,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         with c.process(
             [c.python(), "-m", "spendgate", "worker"], k.worker_env(s), tmp / "worker.log"
         ) as worker:
-            tp = _throughput(port, args.events, max(300.0, args.events / 100), worker.pid, profile)
+            tp = _throughput(port, args.events, max(300.0, args.events / 100), worker, profile)
             if not tp["ok"]:
-                print(f"worker did not finish; log: {tmp / 'worker.log'}")
+                exited = worker.poll()
+                why = "did not finish" if exited is None else f"exited with {exited}"
+                print(f"worker {why}; log: {tmp / 'worker.log'}")
                 return 1
             import redis
 
@@ -419,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         c.delete_topics(c.KAFKA, rid)
     raw_rate = n_raw / raw_s
     parse_rate = n_parse / parse_s
-    noop_rate = noop["n"] / noop["seconds"] if noop["ok"] else float("nan")
+    noop_rate = _noop_rate(noop)
     print()
     c.print_table(
         ["throughput", "records", "seconds", "records/s", "vs raw"],

@@ -7,8 +7,10 @@ every spendgate row, under ``--check``."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,17 +26,50 @@ def _run(module: str, services: Services, timeout_s: float = 60.0, *extra: str) 
         "SPENDGATE_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
         "SPENDGATE_REDIS_URL": services.redis_url,
     }
-    done = subprocess.run(
+    # Its own process group: whatever the benchmark starts is found (and, on a timeout,
+    # stopped) by the group's id, and none of it may outlive the benchmark.
+    proc = subprocess.Popen(
         [sys.executable, "-m", module, "--smoke", *extra],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
-        check=False,
+        start_new_session=True,
     )
-    assert done.returncode == 0, f"{module} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{module} did not finish in {timeout_s} s:\n{stdout}\n{stderr}")
+    finally:
+        left = _group_members(proc.pid)
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"{module} left its children running: {left}"
+    assert proc.returncode == 0, f"{module} failed:\n{stdout}\n{stderr}"
+    return stdout
+
+
+def _group_members(pgid: int, grace_s: float = 5.0) -> list[str]:
+    """The live processes of process group ``pgid`` (their command lines), after waiting up
+    to ``grace_s`` for them to go (a child SIGKILLed with its parent takes a moment)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            # fields: state, ppid, pgrp, ...; a zombie (Z) has already exited.
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(cmdline.replace(b"\0", b" ").decode(errors="replace").strip())
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
 
 
 def _table(out: str) -> list[dict[str, str]]:
