@@ -169,8 +169,10 @@ class TestMalformedTopic:
         odd_counted = [
             # occurred_at far in the future: clamped to the broker timestamp.
             ("future", json.dumps(_event("future", 40, "9999-12-31T23:59:59Z")).encode()),
-            # ancient on a key whose clock is now: dropped as late (changes nothing).
+            # Two ancient, on keys whose clock is now: dropped as late (change nothing).
             ("v0", json.dumps(_event("v0", 1000, "1971-01-01T00:00:00Z")).encode()),
+            # Three windows before now: a bucket of its own, were it counted.
+            ("v1", json.dumps(_event("v1", 700, _iso(now_ms - 3 * policy.window_ms))).encode()),
         ]
         # Before the Unix epoch: refused (dead-lettered), since buckets align to the epoch.
         malformed.append(
@@ -198,16 +200,18 @@ class TestMalformedTopic:
         await wait_consumed(bootstrap, worker_settings.app_id, topic, timeout_s=240)
         raw_letters = await read_topic(bootstrap, dlq_topic, len(malformed), 60)
         letters = [DeadLetter.model_validate_json(v) for v in raw_letters]
+        future_key = f"{policy.id}|tenant=future"
+        # The far-future event's bucket follows the broker's clock: checked apart below.
         await eventually(
-            lambda: compare(redis_sync, prefix, expected).exact,
+            lambda: compare(redis_sync, prefix, expected, checked_apart={future_key}).exact,
             timeout_s=60,
             what="valid windows equal to the ledger",
         )
-        final = compare(redis_sync, prefix, expected)
+        final = compare(redis_sync, prefix, expected, checked_apart={future_key})
         by_raw = {base64.b64encode(raw).decode(): what for what, raw in malformed}
         lettered = [by_raw[d.original_b64] for d in letters if d.original_b64 in by_raw]
         missing = [what for what, _ in malformed if what not in lettered]
-        future = sum(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=future").values())
+        future = sum(read_buckets(redis_sync, prefix, future_key).values())
         fault_record.add(
             events_checked=len(before) + len(after) + len(malformed) + len(odd_counted),
             malformed_records=len(malformed),
@@ -215,6 +219,7 @@ class TestMalformedTopic:
             dead_letters_with_reason=sum(bool(d.reason) for d in letters),
             malformed_not_dead_lettered=missing,
             valid_units_expected=final.units_expected,
+            valid_units_held=final.units_held,
             units_lost=final.units_lost,
             units_double_counted=final.units_double_counted,
             far_future_event_counted_units=future,
@@ -225,12 +230,15 @@ class TestMalformedTopic:
         assert len(letters) == len(malformed)
         assert all(d.reason and d.topic == topic and d.offset is not None for d in letters)
         assert all(not d.truncated and d.original_size in (0, len(d.raw)) for d in letters)
-        # ancient events changed nothing; all valid ones counted once
-        assert final.units_expected == sum(sum(b.values()) for b in expected.values())
+        # The two ancient events changed nothing, the malformed ones neither (no window
+        # under any other key), and every valid one is counted once: what Redis holds under
+        # the prefix is the ledger of the valid events.
+        assert final.units_held == sum(sum(b.values()) for b in expected.values())
+        assert final.keys_missing == final.keys_unexpected == ()
         assert (final.units_lost, final.units_double_counted) == (0, 0)
         assert final.exact
         assert future == 40
-        bucket = max(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=future"))
+        bucket = max(read_buckets(redis_sync, prefix, future_key))
         assert abs(bucket - now_ms) < 10 * 60_000, "far-future event not clamped to broker time"
 
     async def test_an_oversized_record_is_dead_lettered(
@@ -239,24 +247,40 @@ class TestMalformedTopic:
         worker_settings: WorkerSettings,
         apply_policies: ApplyPolicies,
         policy_factory: PolicyFactory,
+        redis_sync: redis.Redis,
         fault_record: FaultRecord,
     ) -> None:
         policy = policy_factory(unit="input_tokens", limit=10**12, group_by=["tenant"])
-        workers.start()
+        worker = workers.start()
         await apply_policies(policy)
         topic, bootstrap = worker_settings.topic("usage"), worker_settings.kafka_bootstrap
-        raw = json.dumps(
-            _event("big", 5, _iso(int(time.time() * 1000)), event_id="x" * 600_000)
-        ).encode()
-        await produce(bootstrap, topic, [(b"big", raw)])
+        now_ms = int(time.time() * 1000)
+        raw = json.dumps(_event("big", 5, _iso(now_ms), event_id="x" * 600_000)).encode()
+        # A valid record right behind it, on the same partition (same key): processing
+        # must go on past the oversized one.
+        after = json.dumps(_event("after", 11, _iso(now_ms))).encode()
+        await produce(bootstrap, topic, [(b"big", raw), (b"big", after)])
         fault_record.inputs.append("topic: a 600 kB record (event_id of 600,000 characters)")
-        fault_record.fault("one oversized record (under the broker's 1 MB limit)")
+        fault_record.fault("one oversized record (under the broker's 1 MB limit), then a valid one")
         dlq = worker_settings.topic("dlq")
+        prefix = worker_settings.redis_prefix
         await wait_consumed(bootstrap, worker_settings.app_id, topic, timeout_s=120)
+        await eventually(
+            lambda: (
+                sum(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=after").values()) == 11
+            ),
+            timeout_s=60,
+            what="the valid record after the oversized one counted",
+        )
         values = await read_topic(bootstrap, dlq, 1, 60)
         letters = [DeadLetter.model_validate_json(v) for v in values]
+        counted_after = sum(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=after").values())
+        counted_big = sum(read_buckets(redis_sync, prefix, f"{policy.id}|tenant=big").values())
+        alive = worker.poll() is None
         log = (workers.logs / "worker-w1.log").read_text(errors="replace")
-        crashed = "Crashed reason=ProducerSendError" in log
+        crashes = [
+            line for line in log.splitlines() if "Crashed reason=" in line or "Traceback" in line
+        ]
         letter = letters[0] if letters else None
         fault_record.add(
             dead_lettered=len(letters),
@@ -267,7 +291,10 @@ class TestMalformedTopic:
             letter_sha256_matches=bool(letter)
             and letter.original_sha256 == hashlib.sha256(raw).hexdigest(),
             letter_truncated=letter.truncated if letter else None,
-            split_agent_crashed=crashed,
+            valid_record_after_counted_units=counted_after,
+            oversized_units_counted=counted_big,
+            worker_alive=alive,
+            worker_log_crash_lines=crashes[:5],
         )
         assert len(letters) == 1 and letter is not None
         # Capped at the first 64 KiB, with the whole record's size and SHA-256.
@@ -278,7 +305,12 @@ class TestMalformedTopic:
         assert letter.original_sha256 == hashlib.sha256(raw).hexdigest()
         assert letter.topic == topic and letter.offset is not None and letter.reason
         assert max(len(v) for v in values) < 1_000_000  # fits a default Kafka record
-        assert not crashed
+        # Processing went on: the next record counted, the oversized one not, the worker
+        # process still running and its log free of any crash.
+        assert counted_after == 11
+        assert counted_big == 0
+        assert alive
+        assert not crashes, crashes
 
     async def test_a_pre_epoch_timestamp_neither_crashes_the_worker_nor_the_replay(
         self,

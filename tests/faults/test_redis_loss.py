@@ -9,11 +9,11 @@ without Redis.
 After Redis comes back empty (restart without persistence, or FLUSHDB), the probes use
 an estimate that *fits an empty window* but not the real one (900 of 1,000 used, 200
 asked): a decision on the wiped window admits it, so an over-admit fails the test. While
-the worker has not rewritten the windows, the only honest answers are 503 (closed: the
-state cannot be vouched for) or 429 (the window is known again); 200 would be a decision
-on the wiped window (issue 16 defect 2, fixed by the applied marks the admission script
-checks: ``schemas.shards``). Once the worker has rewritten the windows and caught up,
-exactly 429 for 200 and 200 for the 100 that still fit.
+the worker is stalled (SIGSTOP) nothing can make the window known again, so the only
+honest answer is 503 ``state_unvouched`` with ``state: missing`` (closed: the state cannot
+be vouched for); 200 would be a decision on the wiped window (issue 16 defect 2, fixed by
+the applied marks the admission script checks: ``schemas.shards``). Once the worker has
+rewritten the windows and caught up, exactly 429 for 200 and 200 for the 100 that fit.
 """
 
 from __future__ import annotations
@@ -133,6 +133,15 @@ async def _charge_closed(settings: WorkerSettings, client: redis.Redis, amount: 
     )
 
 
+def _unvouched(answer: httpx.Response) -> dict[str, Any]:
+    """The error's ``code`` and ``state`` of an answer ({} when it has no error body)."""
+    try:
+        error = answer.json().get("error") or {}
+    except ValueError:
+        return {}
+    return {k: error.get(k) for k in ("code", "state")} if error else {}
+
+
 async def _ready(http: httpx.AsyncClient) -> bool:
     return (await http.get("/readyz")).status_code == 200
 
@@ -222,7 +231,10 @@ class TestRedisLoss:
             workers.stop_all()
         summary = await replay(settings)
         fault_record.fault("workers stopped; `spendgate replay` (streams.replay.replay) run")
-        rebuilt = compare(client, settings.redis_prefix, work.expected)
+        mode_keys = {f"mode-{m}|tenant=acme" for m in ("closed", "open", "degraded")}
+        # The failure-mode keys' buckets follow the server clock: their totals are checked
+        # apart (got_modes below); every other window under the prefix is the ledger's.
+        rebuilt = compare(client, settings.redis_prefix, work.expected, checked_apart=mode_keys)
         windows = all_windows(client, settings.redis_prefix)
         # From what this test was told was admitted: the reservation before the outage
         # plus every 200 during it (their reserve events were published to the log).
@@ -245,6 +257,7 @@ class TestRedisLoss:
             replay_records=summary.records,
             replay_outcomes=summary.outcomes,
             units_expected=rebuilt.units_expected,
+            units_held=rebuilt.units_held,
             units_lost=rebuilt.units_lost,
             units_double_counted=rebuilt.units_double_counted,
             reservation_units_expected=expected_modes,
@@ -262,11 +275,18 @@ class TestRedisLoss:
         assert all(v <= 1000 for v in got_modes.values())
         # The replay read every record: the workload and one reserve per 200 answer.
         assert summary.records == len(work.records) + admitted_events
+        # Each record the test sent matches one policy: every one not re-sent and not older
+        # than the window is applied once, and nothing else happens to any record.
+        assert set(summary.outcomes) <= {"applied", "late_dropped"}, summary.outcomes
+        assert summary.outcomes["applied"] == (
+            len(work.records) - work.duplicates - work.ancient + admitted_events
+        )
         assert (
             summary.duplicates + summary.outcomes.get("late_dropped", 0)
             == work.duplicates + work.ancient
         )
-        assert rebuilt.units_expected == work.units()
+        assert rebuilt.units_held == work.units()
+        assert rebuilt.keys_missing == rebuilt.keys_unexpected == ()
         assert (rebuilt.units_lost, rebuilt.units_double_counted) == (0, 0)
         assert rebuilt.exact, rebuilt
         assert got_modes == expected_modes
@@ -309,10 +329,13 @@ class TestRedisLoss:
             events_checked=1,
             probe=f"{PROBE} on a limit of 1000 with {USED} used",
             probe_status=answer.status_code,
+            probe_error=_unvouched(answer),
             over_limit_units=USED + PROBE - 1000 if answer.status_code == 200 else 0,
         )
-        # 503: closed, the wiped state cannot be vouched for; 429: over the limit.
-        assert answer.status_code in (503, 429), answer.text
+        # The worker is stalled and Redis empty: nothing can have made the window known
+        # again, so the closed policy's only answer is 503, the state missing.
+        assert answer.status_code == 503, answer.text
+        assert _unvouched(answer) == {"code": "state_unvouched", "state": "missing"}
 
     async def test_right_after_a_flush_admission_does_not_decide_on_the_wiped_window(
         self,
@@ -335,6 +358,7 @@ class TestRedisLoss:
         )
         await _charge_closed(settings, client, USED)
         answers: Counter[int] = Counter()
+        errors: Counter[str] = Counter()
         async with httpx.AsyncClient(base_url=proc.url, timeout=30) as http:
             await eventually_async(lambda: _closed_used(http), USED, "admission sees 900 used")
             worker.send_signal(signal.SIGSTOP)
@@ -342,17 +366,23 @@ class TestRedisLoss:
                 client.flushdb()  # this test's private redis-server only
                 fault_record.fault("worker stalled (SIGSTOP); FLUSHDB on the private Redis")
                 for _ in range(3):
-                    answers[(await _admit(http, "c", PROBE)).status_code] += 1
+                    answer = await _admit(http, "c", PROBE)
+                    answers[answer.status_code] += 1
+                    errors[json.dumps(_unvouched(answer), sort_keys=True)] += 1
             finally:
                 worker.send_signal(signal.SIGCONT)
         fault_record.add(
             events_checked=3,
             probe=f"{PROBE} on a limit of 1000 with {USED} used",
             probe_statuses=dict(answers),
+            probe_errors=dict(errors),
             over_limit_units=(USED + PROBE * answers[200] - 1000) if answers[200] else 0,
         )
-        # 503: closed, the wiped state cannot be vouched for; 429: over the limit.
-        assert set(answers) <= {503, 429}, answers
+        # The worker is stalled and Redis flushed: nothing can have made the window known
+        # again, so every answer of the closed policy is 503, the state missing.
+        assert answers == Counter({503: 3}), answers
+        unvouched = {"code": "state_unvouched", "state": "missing"}
+        assert errors == Counter({json.dumps(unvouched, sort_keys=True): 3}), errors
 
     async def test_after_a_flush_the_worker_rewrites_windows_and_policies(
         self,

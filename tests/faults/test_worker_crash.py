@@ -9,9 +9,11 @@ hold part, but not all, of what the produced records add (``Workload.expected_af
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
@@ -35,8 +37,7 @@ async def _wait_progress(
     """Poll until more than ``above`` units of the ledger are materialized; return them."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        c = compare(client, prefix, expected)
-        have = c.units_expected - c.units_lost + c.units_double_counted
+        have = compare(client, prefix, expected).units_held
         if have > above:
             return have
         await asyncio.sleep(0.05)
@@ -59,6 +60,13 @@ class TestWorkerCrash:
         work = generate(policy, EVENTS, now_ms=int(time.time() * 1000), seed="worker-crash")
         prefix = worker_settings.redis_prefix
         half = len(work.records) // 2
+        # Preconditions, counted from the records themselves: the workload holds re-sent
+        # records (an event id seen before) and records older than the window.
+        bodies = {body["event_id"]: body for body in (json.loads(v) for _, v in work.records)}
+        resent = len(work.records) - len(bodies)
+        cutoff = datetime.now(UTC) - timedelta(milliseconds=policy.window_ms)
+        ancient = sum(datetime.fromisoformat(b["occurred_at"]) < cutoff for b in bodies.values())
+        assert resent == work.duplicates > 0 and ancient == work.ancient > 0
         fault_record.add(
             records_produced=len(work.records),
             duplicate_records_in_workload=work.duplicates,
@@ -144,7 +152,9 @@ class TestWorkerCrash:
                 cells_differing=final.cells_differing,
             )
         assert (final.units_lost, final.units_double_counted, final.cells_differing) == (0, 0, 0)
-        assert final.cells > 0 and final.units_expected == work.units()
+        # What Redis holds, every window under the prefix: the ledger's sum, on its keys.
+        assert final.cells > 0 and final.units_held == work.units()
+        assert final.keys_missing == final.keys_unexpected == ()
 
     async def test_a_wiped_table_folder_is_rebuilt_from_the_changelog(
         self,
@@ -217,3 +227,5 @@ class TestWorkerCrash:
         # Precondition: the second half writes keys that held first-half usage.
         assert touched_after & {k for k, b in first_half.items() if b}
         assert (final.units_lost, final.units_double_counted, final.cells_differing) == (0, 0, 0)
+        assert final.units_held == work.units()
+        assert final.keys_missing == final.keys_unexpected == ()
