@@ -40,7 +40,7 @@ __all__ = [
 class WorkerLag(BaseModel):
     """How far behind its partition the mark's owner was when it last measured."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     records_behind: int = Field(description="Records of the partition not yet applied.")
     measured_at_ms: int = Field(description="When the worker measured it (Redis clock, ms).")
@@ -50,7 +50,7 @@ class WorkerLag(BaseModel):
 class PartitionStatus(BaseModel):
     """One partition mark of the topology."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     field: str = Field(description="The mark field: `usage:<p>` or `keyed:<p>`.")
     topic: Literal["usage", "keyed"]
@@ -76,7 +76,7 @@ class PartitionStatus(BaseModel):
 class TopologyCounts(BaseModel):
     """The partition counts the marks refer to."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     usage: int
     keyed: int
@@ -85,7 +85,7 @@ class TopologyCounts(BaseModel):
 class StackStatus(BaseModel):
     """The answer of ``GET /v1/status``: can the stack decide, and if not, why."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     decidable: bool = Field(description="Every mark of the topology is vouched.")
     reason: str | None = Field(description="Why not decidable; null when decidable.")

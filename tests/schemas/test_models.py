@@ -39,6 +39,7 @@ from schemas import (
     dead_letter,
     parse_event,
 )
+from schemas.status import PartitionStatus, StackStatus, TopologyCounts, WorkerLag
 
 AT = "2025-01-02T03:04:05.678Z"
 EVENT: dict[str, Any] = {"event_id": "e1", "subject": {"tenant": "acme"}, "occurred_at": AT}
@@ -91,6 +92,28 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
         "at": AT,
     },
     RefusalGap: {"dropped": 3, "since": AT, "until": LATER},
+    WorkerLag: {"records_behind": 2, "measured_at_ms": 1000, "age_ms": 5},
+    PartitionStatus: {
+        "field": "usage:0",
+        "topic": "usage",
+        "partition": 0,
+        "state": "missing",
+        "watermark_ms": None,
+        "age_ms": None,
+        "lag": None,
+        "owner_token": None,
+    },
+    TopologyCounts: {"usage": 4, "keyed": 4},
+    StackStatus: {
+        "decidable": False,
+        "reason": "no topology",
+        "redis_time_ms": 1000,
+        "staleness_ms": 30000,
+        "topology": None,
+        "policies": 0,
+        "counts": {"vouched": 0, "stale": 0, "missing": 0},
+        "partitions": [],
+    },
 }
 
 
