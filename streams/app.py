@@ -10,6 +10,7 @@ spanning tenants cross the keyed topic once per key and batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -42,10 +43,12 @@ from streams.fold import (
     fold_usage,
 )
 from streams.gaps import Positions, committed_offset, missing_range, read_range
+from streams.health import WorkerHealth
 from streams.id_rebuild import rebuild_ids
+from streams.kafka_util import OffsetReader
 from streams.ledger import KeyState
-from streams.marks import MarkKeeper, Progress
-from streams.materialize import RedisMaterializer
+from streams.marks import Watermarks
+from streams.materialize import MarkReply, MarkWrite, RedisMaterializer
 from streams.policybook import PolicyBook
 from streams.settings import WorkerSettings
 from streams.statecache import StateCache
@@ -57,13 +60,16 @@ def build_app(
     settings: WorkerSettings,
     policies: dict[str, Policy] | None = None,
     retention_ms: int = -1,
+    health: WorkerHealth | None = None,
 ) -> faust.App:
     """Build the worker's faust app with its topics, table, agents and policy tail.
 
     ``policies``, read before the app starts, lets the agents begin without waiting for
     the policy tail; the tail then keeps them current. ``retention_ms`` is ``usage``'s
-    retention (-1: forever), checked again whenever the policies change.
+    retention (-1: forever), checked again whenever the policies change. ``health`` is
+    kept current with the partitions this worker owns (its readiness endpoint).
     """
+    health = health if health is not None else WorkerHealth()
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
@@ -71,7 +77,9 @@ def build_app(
         datadir=str(settings.data_dir),
         topic_partitions=settings.partitions,
         topic_replication_factor=1,
-        table_standby_replicas=0,
+        # A standby copy of each table partition on another worker: a handover then
+        # restores from the standby, not from the whole changelog.
+        table_standby_replicas=settings.standby_replicas,
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
@@ -104,14 +112,22 @@ def build_app(
         limit_of=lambda policy_id: p.limit if (p := book.policies.get(policy_id)) else None,
     )
     published = {"version": -1}
-    # This worker's mark in Redis: when it is gone, Redis lost its data (flush, restart
-    # without persistence) and the worker rewrites everything it owns from its table.
+    # This worker's presence in Redis (set when it claims its partitions): when it is gone,
+    # Redis lost its data (flush, restart without persistence) and the worker claims its
+    # partitions again and rewrites everything it owns from its table (streams.marks).
     marker = f"{settings.redis_prefix}worker:{uuid.uuid4().hex}"
-    keeper = MarkKeeper()
-    #: Set on every assignment: rewrite the windows before vouching for them.
-    reassigned = {"flag": True}
-    #: (topic, partition) -> (next offset to handle, broker ms of the last one handled).
-    handled: dict[tuple[str, int], tuple[int, int]] = {}
+    watermarks = Watermarks(settings.mark_clock_skew_ms)
+    #: What changed since the last claim: an assignment (claim every field again), the
+    #: fields revoked meanwhile (restored if they come back), a loss of Redis data.
+    claim = {"due": True, "lost": False}
+    claimed: set[str] = set()
+    revoked_since: set[str] = set()
+    wake = asyncio.Event()
+    # Offsets asked of the broker directly: faust's own calls pass through its consumer
+    # thread and take a second or more each.
+    offsets = OffsetReader(settings.kafka_bootstrap)
+    #: (topic, partition) -> next offset to handle (last handled + 1).
+    handled: dict[tuple[str, int], int] = {}
     ids = IdStore(
         settings.data_dir / f"{settings.app_id}-ids",
         horizon_ms(settings, book.policies.values()),
@@ -147,76 +163,144 @@ def build_app(
             keyed=parts(settings.keyed_topic) or settings.partitions,
         )
 
+    def field_of(topic: str, partition: int) -> str | None:
+        if topic == settings.topic("usage"):
+            return usage_mark(partition)
+        if topic == settings.keyed_topic:
+            return keyed_mark(partition)
+        return None
+
     def owned() -> dict[str, Any]:
         """Mark field -> topic partition, for every usage and keyed partition owned."""
         out: dict[str, Any] = {}
         for tp in app.consumer.assignment():
-            if tp.topic == settings.topic("usage"):
-                out[usage_mark(tp.partition)] = tp
-            elif tp.topic == settings.keyed_topic:
-                out[keyed_mark(tp.partition)] = tp
+            if (field := field_of(tp.topic, tp.partition)) is not None:
+                out[field] = tp
         return out
 
-    async def progress(tps: dict[str, Any]) -> dict[str, Progress]:
-        ends = await app.consumer.highwaters(*tps.values())
-        out: dict[str, Progress] = {}
-        for field, tp in tps.items():
-            end = ends.get(tp)
-            if end is None:
-                continue
-            position, broker_ms = handled.get((tp.topic, tp.partition), (None, None))
-            if position is None:
-                # Nothing handled since the assignment: caught up if nothing is left to read.
-                fetch = await app.consumer.position(tp)
-                position = fetch if fetch is not None and fetch >= end else None
-            out[field] = Progress(position, end, broker_ms)
-        return out
+    def position_of(tp: Any) -> int | None:
+        """The next offset to apply: handled here, or committed by whoever owned it."""
+        mine = handled.get((tp.topic, tp.partition))
+        committed = getattr(app.consumer, "_committed_offset", {}).get(tp)
+        known = [p for p in (mine, committed) if p is not None]
+        return max(known) if known else None
 
-    @app.timer(interval=0.5)  # type: ignore[untyped-decorator]
+    @app.task  # type: ignore[untyped-decorator]
     async def keep_redis() -> None:
-        try:
-            await keep_redis_once()
-        except Exception as exc:  # noqa: BLE001 - a timer that raises stops the worker
-            logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
+        """Claim, restore, sample and advance the idle marks: every 0.5 s, and at once
+        after an assignment or a loss of Redis data."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=0.5)
+            wake.clear()
+            try:
+                # Bounded: a broker or Redis that does not answer leaves the marks to age.
+                await asyncio.wait_for(keep_redis_once(), timeout=10.0)
+            except Exception as exc:  # noqa: BLE001 - the loop must go on
+                logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
 
     async def keep_redis_once() -> None:
-        """Restore what Redis lost, republish changed policies, write the applied marks."""
         if not book.ready.is_set():
             return
-        lost = reassigned["flag"] or not await materializer.client.exists(marker)
         recovery = getattr(app.tables, "recovery", None)
         recovering = recovery is not None and recovery.in_recovery
-        if lost and not keeper.holding:
-            # Every mark stays away until the records already in the partitions are in.
-            tps = owned()
-            usage_tps = {f: tp for f, tp in tps.items() if f.startswith("usage:")}
-            ends = await app.consumer.highwaters(*usage_tps.values())
-            keeper.lost(
-                {f: ends.get(tp, 0) for f, tp in usage_tps.items()},
-                [f for f in tps if f not in usage_tps],
+        tps = owned()
+        if claim["due"] or claim["lost"]:
+            fields = sorted(tps)
+            lost = claim["lost"]
+            moved = set(fields) if lost else (set(fields) - claimed) | (revoked_since & set(fields))
+            claim["due"] = claim["lost"] = False
+            watermarks.assign(await materializer.claim(fields, marker), moved)
+            claimed.clear()
+            claimed.update(fields)
+            revoked_since.clear()
+            if lost:
+                published["version"] = -1
+            logger.info(
+                "claimed %d partitions (%d to restore)%s",
+                len(fields),
+                len(moved),
+                " after Redis lost its data" if lost else "",
             )
-        if lost or book.version != published["version"]:
+        if book.version != published["version"]:
             await materializer.write_policies(book.policies.values(), topology())
             published["version"] = book.version
-        if lost and not recovering:
-            restored = 0
-            for key, value in list(table.items()):
-                await materializer.restore(key, KeyState.from_bytes(value))
-                restored += 1
-            await materializer.client.set(marker, b"1")
-            reassigned["flag"] = False
-            logger.info("wrote %d budget windows and the policies into Redis", restored)
-            lost = False
-        if lost or recovering:
-            return
-        # Bounded: a broker that does not answer leaves the marks to age into stale.
-        await asyncio.wait_for(write_marks(), timeout=5.0)
+        todo = watermarks.restoring()
+        if todo and not recovering:
+            started = time.monotonic()
+            n = await restore_partitions({int(f.partition(":")[2]) for f in todo})
+            watermarks.restored(todo)
+            metrics.RESTORE_SECONDS.observe(time.monotonic() - started)
+            logger.info(
+                "restored %d budget windows of %s in %.3f s",
+                n,
+                sorted(todo),
+                time.monotonic() - started,
+            )
+        # The clock first, then the end offsets (streams.marks: the idle claim).
+        now_ms, usage_marks = await materializer.sample(topology().all_usage_marks())
+        watermarks.sample(now_ms, usage_marks)
+        if tps and not recovering:
+            # Before its recovery ends, faust has not sought to the committed offsets.
+            ends = await offsets.ends(tps.values())
+            positions = {field: position_of(tp) for field, tp in tps.items()}
+            unknown = [tps[f] for f, p in positions.items() if p is None]
+            if unknown:
+                # Never committed: the group starts at the log start (auto_offset_reset).
+                starts = await offsets.starts(unknown)
+                positions.update({f: starts.get(tp) for f, tp in tps.items() if tp in starts})
+            tokens = watermarks.owned()
+            writes = []
+            for field, tp in tps.items():
+                end, position = ends.get(tp), positions[field]
+                if end is None or field not in tokens:
+                    continue
+                w = watermarks.idle(field, now_ms, end, position)
+                behind = None if position is None else max(0, end - position)
+                writes.append(MarkWrite(field, tokens[field], w, behind))
+            noted(await materializer.write_marks(writes, marker))
+        health.update(watermarks.health(), assigned=bool(tps))
 
-    async def write_marks() -> None:
-        tps = owned()
-        complete = await materializer.marks_present(topology().all_usage_marks())
-        due = keeper.due(await progress(tps), complete)
-        await materializer.write_marks(due, marker)
+    def noted(reply: MarkReply | None) -> None:
+        """Act on what the mark script said: a loss of Redis data, fenced writes."""
+        if reply is None:
+            return
+        if not reply.present:
+            logger.warning("Redis lost this worker's presence mark: claiming and restoring")
+            claim["lost"] = True
+            wake.set()
+        if reply.fenced:
+            metrics.MARKS_FENCED.inc(reply.fenced)
+            logger.warning("%d mark writes refused: a newer owner holds them", reply.fenced)
+
+    async def restore_partitions(partitions: set[int]) -> int:
+        """Rewrite the windows of ``partitions`` from the table, many keys per round trip,
+        never over a newer window (:meth:`RedisMaterializer.heal_many`)."""
+        n = 0
+        chunk: list[tuple[str, KeyState]] = []
+        for key, value in table_items(table, partitions):
+            chunk.append((key, KeyState.from_bytes(value)))
+            if len(chunk) >= RESTORE_KEYS_PER_TRIP:
+                await materializer.heal_many(chunk)
+                n, chunk = n + len(chunk), []
+        if chunk:
+            await materializer.heal_many(chunk)
+            n += len(chunk)
+        return n
+
+    def advance(lasts: Iterable[tuple[str, int, int, int]]) -> list[MarkWrite]:
+        """The marks a batch advances: (topic, partition, last offset, its broker ms)."""
+        tokens = watermarks.owned()
+        out = []
+        for topic, partition, offset, broker_ms in lasts:
+            handled[(topic, partition)] = offset + 1
+            field = field_of(topic, partition)
+            if field is None or field not in tokens:
+                continue
+            w = watermarks.applied(field, offset + 1, broker_ms)
+            if w is not None:
+                out.append(MarkWrite(field, tokens[field], w))
+        return out
 
     drift = DriftCycle()
     #: Keys whose table value is written but whose Redis write is still in flight: Redis
@@ -258,9 +342,16 @@ def build_app(
         account_positions.forget()
         handled.clear()
         states.forget()
-        # Partitions may be new here: their windows are rewritten from the table (after
-        # its recovery) and vouched for only once caught up, as after a loss of Redis.
-        reassigned["flag"] = True
+        # Every owned partition is claimed again (a new fencing token); those new to this
+        # worker have their windows rewritten from the table first (streams.marks).
+        claim["due"] = True
+        wake.set()
+
+    @app.on_partitions_revoked.connect
+    def note_revoked(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        for tp in args[0] if args else ():
+            if (field := field_of(tp.topic, tp.partition)) is not None:
+                revoked_since.add(field)
 
     async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
         """Records of this partition the stream skipped before ``offset`` (read back)."""
@@ -285,10 +376,6 @@ def build_app(
         )
         metrics.REFILLED.labels(topic=topic).inc(len(records))
         return records
-
-    def done(topic: str, partition: int, offset: int, broker_ms: int) -> None:
-        """Records up to ``offset`` are handled, their effects written (streams.marks)."""
-        handled[(topic, partition)] = (offset + 1, broker_ms)
 
     rules_cache: dict[str, Any] = {"version": None, "rules": None}
 
@@ -315,14 +402,18 @@ def build_app(
         # The same step as the table write (no await between): as new as the table.
         states.put((w.key, w.state) for w in result.writes if w.changed)
 
-    async def publish(results: list[FoldResult]) -> None:
+    async def publish(results: list[FoldResult], lasts: list[tuple[str, int, int, int]]) -> None:
         """Write a batch's windows to Redis (one pipeline), then send what follows from
-        them, and wait for the broker's acks."""
+        them, and wait for the broker's acks; advance the marks of ``lasts`` (topic,
+        partition, last offset, its broker ms) with the windows, or after the acks when
+        the batch sent keyed batches (a usage mark covers them once they are on the
+        keyed topic)."""
         due = [w for result in results for w in result.writes if w.redis_due]
         keys = {w.key for w in due}
+        later = any(result.remote for result in results)
         writing.update(keys)
         try:
-            await materializer.write_batch(due)
+            noted(await materializer.write_batch(due, [] if later else advance(lasts), marker))
         finally:
             writing.difference_update(keys)
         sent = []
@@ -336,6 +427,8 @@ def build_app(
             ]
         # Acked by the broker before the batch's records are: nothing is lost in a crash.
         await asyncio.gather(*sent)
+        if later:
+            noted(await materializer.write_marks(advance(lasts), marker))
         for result in results:
             count(result)
 
@@ -375,6 +468,7 @@ def build_app(
         track_policies()
         results: list[FoldResult] = []
         lasts: list[UsageRecord] = []
+        topic = names["usage"]
         for partition, group in by_partition(events).items():
             first = group[0].message
             back = await skipped(split_positions, first.topic, partition, first.offset)
@@ -408,17 +502,15 @@ def build_app(
             now = time.time()
             for r in records:
                 metrics.LAG.observe(max(0.0, now - r.broker_ms / 1000))
-        await publish(results)
-        topic = names["usage"]
+        await publish(results, [(topic, r.partition, r.offset, r.broker_ms) for r in lasts])
         for last in lasts:
             split_positions.handled(last.partition, last.offset)
-            done(topic, last.partition, last.offset, last.broker_ms)
             metrics.OFFSET.labels(topic=topic, partition=str(last.partition)).set(last.offset)
 
     async def fold_keyed_batch(events: list[Any]) -> None:
         """Fold one batch of keyed messages (keys spanning tenants), partition by partition."""
         results: list[FoldResult] = []
-        lasts: list[tuple[int, int, int]] = []
+        lasts: list[tuple[str, int, int, int]] = []
         for partition, group in by_partition(events).items():
             first = group[0].message
             back = await skipped(account_positions, first.topic, partition, first.offset)
@@ -427,11 +519,11 @@ def build_app(
             result = fold_keyed(messages, load, max_value_bytes=settings.max_value_bytes)
             keep(result, group)
             results.append(result)
-            lasts.append((partition, messages[-1].offset, int(group[-1].message.timestamp * 1000)))
-        await publish(results)
-        for partition, offset, broker_ms in lasts:
+            broker_ms = int(group[-1].message.timestamp * 1000)
+            lasts.append((names["keyed"], partition, messages[-1].offset, broker_ms))
+        await publish(results, lasts)
+        for _, partition, offset, _ in lasts:
             account_positions.handled(partition, offset)
-            done(names["keyed"], partition, offset, broker_ms)
 
     async def folded(batch: Awaitable[None]) -> None:
         """Run one batch's fold and writes; a failure leaves no half-folded cached state."""
@@ -458,6 +550,26 @@ def build_app(
                 await stream.ack(event)
 
     return app
+
+
+#: Windows rewritten per round trip when partitions are restored.
+RESTORE_KEYS_PER_TRIP = 500
+
+
+def table_items(table: Any, partitions: set[int]) -> Iterator[tuple[str, bytes]]:
+    """The decoded (key, value) pairs of ``table`` held in ``partitions`` (RocksDB keeps
+    one database per partition; any other store is read whole)."""
+    store = table.data
+    dbs = getattr(store, "_dbs", None)
+    if dbs is None or not hasattr(store, "_visible_items"):
+        yield from table.items()
+        return
+    for partition in sorted(partitions):
+        db = dbs.get(partition)
+        if db is None:
+            continue
+        for raw_key, raw_value in store._visible_items(db):
+            yield store._decode_key(raw_key), store._decode_value(raw_value)
 
 
 def by_partition(events: list[Any]) -> dict[int, list[Any]]:

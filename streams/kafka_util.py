@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -38,3 +40,42 @@ async def assign(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> None:
     consumer.assign(tps)
     for tp in tps:
         await consumer.position(tp)
+
+
+class OffsetReader:
+    """End and start offsets asked of the broker in one round trip each (no group)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._bootstrap = bootstrap
+        self._consumer: AIOKafkaConsumer | None = None
+
+    async def _client(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+            await consumer.start()
+            self._consumer = consumer
+        return self._consumer
+
+    async def ends(self, tps: Iterable[Any]) -> dict[Any, int]:
+        """The end offset (the next record's) of each of ``tps`` (any (topic, partition)
+        pairs; the answer is keyed by the pairs given)."""
+        given = list(tps)
+        if not given:
+            return {}
+        found = await (await self._client()).end_offsets([TopicPartition(*tp) for tp in given])
+        return {tp: found[TopicPartition(*tp)] for tp in given}
+
+    async def starts(self, tps: Iterable[Any]) -> dict[Any, int]:
+        """The log start offset of each of ``tps`` (as :meth:`ends`)."""
+        given = list(tps)
+        if not given:
+            return {}
+        consumer = await self._client()
+        found = await consumer.beginning_offsets([TopicPartition(*tp) for tp in given])
+        return {tp: found[TopicPartition(*tp)] for tp in given}
+
+    async def close(self) -> None:
+        """Stop the client, if started."""
+        if self._consumer is not None:
+            await stop(self._consumer)
+            self._consumer = None

@@ -1,99 +1,212 @@
-"""Which applied marks this worker may write now, and their watermarks (pure).
+"""The applied watermark of every partition this worker owns: defined, monotone, fenced (pure).
 
-A mark (``schemas.shards``) tells the admission script that Redis holds every window of
-one partition, applied up to a watermark. This worker writes the marks of the partitions
-it owns every tick:
+A mark (``schemas.shards``) tells the admission script that Redis holds every window of one
+partition up to a watermark. For partition ``p``:
 
-* caught up (it has handled every record up to the partition's end offset): the
-  watermark is the present (``None`` here: the writer takes the Redis clock);
-* behind: the broker time of the last record it handled (unknown before its first one
-  since the assignment, when nothing is written and the old mark ages into ``stale``).
+    W_p = the greatest t such that every record of p with log-append time <= t is applied
+          in Redis (its windows written; for keys spanning tenants, its keyed batch acked by
+          the broker).
 
-After Redis lost its data a mark comes back only once the worker restored its windows and
-handled every record that was already in the partition when it noticed the loss, so the
-reservations in flight then (admitted before the loss, their ``reserve`` not absorbed yet)
-are counted again before anyone decides on the window. A keyed partition is fed by every
-usage partition, so its end offset is taken only once every usage mark is back.
+The owner claims W_p from what it knows, never more than is true:
+
+* **applied** (the data path): a batch applied every record of ``p`` before offset ``n``;
+  the last of them was appended at ``b``, so every record appended up to ``b - 1`` ms is in
+  (log-append times never decrease within a partition; the next record may share ``b``);
+* **idle** (the timer): the clock was read (``t0``, Redis time) *before* the end offset
+  ``e`` was fetched, and every record before ``e`` is applied: every record appended up to
+  ``t0 - 1 - skew`` is in (one appended in the same millisecond after the fetch is not),
+  where ``skew`` bounds how far the broker's clock runs behind Redis's;
+* a claim never goes below the owner's last one (nor below the mark Redis held when the
+  partition was assigned to it: that mark stays true, the windows it vouches for are still
+  in Redis), so **W never decreases for one owner**.
+
+A keyed partition (keys spanning tenants) is fed by every usage partition, so its records'
+own times are not a watermark of the usage records behind them. Its claim is the *upstream*
+watermark: the least usage mark read at an instant ``s`` no later than the keyed claim (every
+usage mark read at ``s`` was written after its keyed batches were acked, so those batches
+were appended by ``s`` and are applied). The worker samples ``(s, min usage mark)`` in one
+atomic read each tick (:meth:`Watermarks.sample`).
+
+Fencing: each assignment of a partition gets a token issued by Redis (greater than every
+earlier owner's); the mark script refuses a lower token, or a lower watermark with the same
+token, so an owner that lost the partition (paused, then resumed) cannot move the mark.
+
+After Redis lost a partition's mark (a flush, a restart without persistence; or a partition
+whose mark was never written) the mark comes back only once the worker restored its windows
+and applied every record that was in the partition when it noticed, so the reservations in
+flight then (their ``reserve`` not absorbed yet) are counted before anyone decides on the
+window. A keyed partition takes its end offset only once every usage mark is back.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-#: A keyed partition's hold whose end offset is not taken yet.
-_AFTER_USAGE = -1
+from streams.health import PartitionHealth, PartitionState
+
+#: A hold whose end offset is taken at the next idle tick (usage) ...
+_TAKE_END = -1
+#: ... or once every usage mark is back (keyed).
+_AFTER_USAGE = -2
+
+#: Upstream samples kept: a keyed claim older than the oldest one waits for a newer sample.
+_SAMPLES = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Progress:
-    """One owned partition as the worker sees it on a tick.
+class Claim:
+    """One partition's assignment as Redis answered it: the owner's fencing token and the
+    mark Redis held at that instant (None: missing)."""
 
-    Attributes:
-        position: the next offset to handle (last handled + 1), None when unknown.
-        end: the partition's end offset (the offset the next record will get).
-        broker_ms: the broker time of the last record handled, None when unknown.
-    """
-
-    position: int | None
-    end: int
-    broker_ms: int | None
-
-    @property
-    def caught_up(self) -> bool:
-        """Whether every record in the partition has been handled."""
-        return self.position is not None and self.position >= self.end
+    token: int
+    mark_ms: int | None
 
 
-class MarkKeeper:
-    """Holds marks back after a loss and says which marks to write on each tick."""
+@dataclass(slots=True)
+class _Owned:
+    token: int
+    #: The greatest watermark claimed (or found in Redis at the assignment): the floor.
+    claimed: int | None
+    #: The next offset to apply, when known.
+    position: int | None = None
+    #: The position to reach before claiming (after a loss), or a _TAKE_END/_AFTER_USAGE.
+    hold: int | None = None
+    #: The windows are being rewritten into Redis (after the assignment): no claim yet.
+    restoring: bool = False
+    #: Records behind the end offset at the last idle tick.
+    behind: int | None = None
 
-    def __init__(self) -> None:
-        #: Mark field -> the position it must reach before it is written again.
-        self._held: dict[str, int] = {}
 
-    @property
-    def holding(self) -> bool:
-        """Whether some mark is held back after a loss."""
-        return bool(self._held)
+def is_keyed(field: str) -> bool:
+    """Whether ``field`` is the mark of a keyed (repartition) partition."""
+    return field.startswith("keyed:")
 
-    def lost(self, ends: Mapping[str, int], keyed: Iterable[str]) -> None:
-        """Redis lost its data: hold every mark back until its partition's records are in.
 
-        Args:
-            ends: usage mark field -> that partition's end offset when the loss was noticed.
-            keyed: the keyed mark fields this worker owns (their end offsets are taken once
-                every usage mark is back, see :meth:`due`).
-        """
-        self._held = dict(ends)
-        self._held.update({field: _AFTER_USAGE for field in keyed})
+class Watermarks:
+    """What this worker may claim for each partition it owns."""
 
-    def due(
-        self, progress: Mapping[str, Progress], usage_marks_complete: bool
-    ) -> dict[str, int | None]:
-        """The marks to write now: field -> watermark ms, or None for the present.
+    def __init__(self, skew_ms: int = 0) -> None:
+        """Args: skew_ms: how far the broker's clock may run behind the Redis clock."""
+        self.skew_ms = skew_ms
+        self._owned: dict[str, _Owned] = {}
+        #: (Redis ms, least usage mark at that instant or None if one was missing).
+        self._samples: deque[tuple[int, int | None]] = deque(maxlen=_SAMPLES)
+
+    # -- assignment ---------------------------------------------------------------------
+
+    def assign(self, claims: Mapping[str, Claim], moved: Iterable[str]) -> None:
+        """A new assignment (or a loss of Redis data: every field moved, every mark None).
 
         Args:
-            progress: every partition this worker owns, by mark field.
-            usage_marks_complete: every usage partition's mark is in Redis (whoever owns
-                it), so the keyed partitions were fed everything from before the loss.
+            claims: every owned mark field -> its token and the mark Redis held.
+            moved: the fields new to this worker: their windows are rewritten first
+                (:meth:`restored`).
         """
-        out: dict[str, int | None] = {}
-        for field, seen in progress.items():
-            hold = self._held.get(field)
-            if hold == _AFTER_USAGE:
-                if not usage_marks_complete:
-                    continue
-                hold = self._held[field] = seen.end
-            if hold is not None:
-                if seen.position is None or seen.position < hold:
-                    continue
-                del self._held[field]
-            if seen.caught_up:
-                out[field] = None
-            elif seen.broker_ms is not None:
-                out[field] = seen.broker_ms
-        # Partitions this worker no longer owns are no longer its to hold.
-        for field in [f for f in self._held if f not in progress]:
-            del self._held[field]
+        moved = set(moved)
+        previous = self._owned
+        self._owned = {}
+        for field, claim in claims.items():
+            before = previous.get(field)
+            floor = _max(claim.mark_ms, before.claimed if before and claim.mark_ms else None)
+            owned = _Owned(claim.token, floor, restoring=field in moved)
+            if claim.mark_ms is None:
+                owned.hold = _AFTER_USAGE if is_keyed(field) else _TAKE_END
+            self._owned[field] = owned
+
+    def restored(self, fields: Iterable[str]) -> None:
+        """The windows behind ``fields`` are rewritten into Redis."""
+        for field in fields:
+            if (owned := self._owned.get(field)) is not None:
+                owned.restoring = False
+
+    def owned(self) -> dict[str, int]:
+        """Every owned field -> its fencing token."""
+        return {field: o.token for field, o in self._owned.items()}
+
+    def restoring(self) -> set[str]:
+        """The owned fields whose windows are still to be rewritten."""
+        return {field for field, o in self._owned.items() if o.restoring}
+
+    # -- claims -------------------------------------------------------------------------
+
+    def sample(self, at_ms: int, usage_marks: Iterable[int | None]) -> None:
+        """Every usage mark as Redis held it at ``at_ms`` (one atomic read)."""
+        marks = list(usage_marks)
+        least = None if not marks or any(m is None for m in marks) else min(marks)  # type: ignore[type-var]
+        self._samples.append((at_ms, least))
+
+    def applied(self, field: str, position: int, last_broker_ms: int) -> int | None:
+        """The data path: every record before ``position`` is applied, the last of them
+        appended at ``last_broker_ms``. Returns the watermark to write, or None."""
+        owned = self._owned.get(field)
+        if owned is None:
+            return None
+        owned.position = max(position, owned.position or 0)
+        if is_keyed(field):
+            # Usage marks read by Redis no later than this keyed record's append time.
+            return self._claim(owned, self._upstream(last_broker_ms - 1 - self.skew_ms))
+        return self._claim(owned, last_broker_ms - 1)
+
+    def idle(self, field: str, clock_ms: int, end: int, position: int | None) -> int | None:
+        """The timer: the Redis clock read ``clock_ms`` before the end offset ``end`` was
+        fetched; ``position``: the next offset to apply as the consumer knows it (the
+        committed offset before the first batch). Returns the watermark to write, or None."""
+        owned = self._owned.get(field)
+        if owned is None:
+            return None
+        if position is not None:
+            owned.position = max(position, owned.position or 0)
+        owned.behind = None if owned.position is None else max(0, end - owned.position)
+        if owned.hold == _TAKE_END or (owned.hold == _AFTER_USAGE and self._usage_complete()):
+            owned.hold = end
+        if owned.position is None or owned.position < end:
+            return None
+        if is_keyed(field):
+            # Each usage mark sampled by ``clock_ms`` was written after its keyed batches
+            # were acked, so before the end offset was fetched: all of them are applied.
+            return self._claim(owned, self._upstream(clock_ms))
+        return self._claim(owned, clock_ms - 1 - self.skew_ms)
+
+    def _claim(self, owned: _Owned, candidate: int | None) -> int | None:
+        if owned.restoring or owned.hold in (_TAKE_END, _AFTER_USAGE):
+            return None
+        if owned.hold is not None:
+            if owned.position is None or owned.position < owned.hold:
+                return None
+            owned.hold = None
+        if candidate is None or (owned.claimed is not None and candidate <= owned.claimed):
+            return None
+        owned.claimed = candidate
+        return candidate
+
+    def _usage_complete(self) -> bool:
+        return bool(self._samples) and self._samples[-1][1] is not None
+
+    def _upstream(self, at_ms: int) -> int | None:
+        """The least usage mark of the latest sample taken no later than ``at_ms``."""
+        for sampled_at, least in reversed(self._samples):
+            if sampled_at <= at_ms:
+                return None if least is None else min(least, at_ms)
+        return None
+
+    # -- what it shows ------------------------------------------------------------------
+
+    def health(self) -> list[PartitionHealth]:
+        """Every owned partition for the readiness endpoint."""
+        out = []
+        for field, o in sorted(self._owned.items()):
+            state: PartitionState = "vouched"
+            if o.restoring:
+                state = "restoring"
+            elif o.hold is not None or o.claimed is None:
+                state = "held"
+            out.append(PartitionHealth(field, state, o.claimed, o.behind))
         return out
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)

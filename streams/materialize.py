@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
@@ -10,6 +11,8 @@ import redis.asyncio as aioredis
 from schemas import window_codec, windows
 from schemas.policies import Policy
 from schemas.redis_keys import (
+    mark_owners_key,
+    mark_progress_key,
     marks_key,
     overage_key,
     pending_reservations_key,
@@ -24,6 +27,7 @@ from schemas.redis_keys import (
 from schemas.shards import Topology
 from schemas.windows import WindowSpec
 from streams.ledger import KeyState
+from streams.marks import Claim
 
 if TYPE_CHECKING:
     from streams.fold import KeyWrite
@@ -118,24 +122,92 @@ return 1
 """
 
 
-# Write this worker's applied marks, unless Redis lost its data since it last checked.
+# Claim partitions for this worker (on every assignment, and after a loss of Redis data).
+#
+# KEYS[1] the marks' owners (hash: mark field -> fencing token)
+# KEYS[2] the marks (hash: mark field -> watermark ms)
+# KEYS[3] this worker's presence mark (set here; gone later: Redis lost its data)
+# ARGV    the mark fields claimed
+# Returns, per field, its new token (greater than every earlier owner's) and the mark Redis
+# holds ("" when missing): the new owner never claims below it.
+CLAIM = r"""
+redis.call('SET', KEYS[3], '1')
+local out = {}
+for i = 1, #ARGV do
+  out[#out + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], 1)
+  out[#out + 1] = redis.call('HGET', KEYS[2], ARGV[i]) or ''
+end
+return out
+"""
+
+# The Redis clock and the usage marks at one instant (streams.marks: upstream samples).
+#
+# KEYS[1] the marks     ARGV the usage mark fields
+# Returns {now ms, then one mark per field ("" when missing)}.
+SAMPLE = r"""
+local t = redis.call('TIME')
+local out = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
+local marks = redis.call('HMGET', KEYS[1], unpack(ARGV))
+for i = 1, #ARGV do out[i + 1] = marks[i] or '' end
+return out
+"""
+
+# Write applied marks, fenced, unless Redis lost its data since this worker claimed them.
 #
 # KEYS[1] the marks (hash: mark field -> watermark ms)
-# KEYS[2] this worker's presence mark (gone: Redis lost its data; the worker must restore
-#         its windows before it vouches for them again)
-# ARGV    pairs of mark field, watermark ms ("" for now, on the Redis clock)
-# Returns 1 when written, 0 when the presence mark is gone (nothing written).
+# KEYS[2] the marks' owners (hash: mark field -> fencing token, see CLAIM)
+# KEYS[3] the marks' progress (hash: mark field -> "<records behind>:<Redis ms>")
+# KEYS[4] this worker's presence mark (gone: Redis lost its data; restore, claim again)
+# ARGV    quadruples: mark field, token, watermark ms ("" to leave it), records behind
+#         ("" for unknown)
+# Returns {1 or 0 (presence gone: nothing written), marks written, writes fenced}. A write
+# is fenced when its token is below the owner's in Redis; a watermark not above the one
+# held under the same token is left as it is.
 MARK = r"""
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[4]) == 0 then return {0, 0, 0} end
 local t = redis.call('TIME')
 local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-for i = 1, #ARGV, 2 do
-  local value = ARGV[i + 1]
-  if value == '' then value = now end
-  redis.call('HSET', KEYS[1], ARGV[i], value)
+local written, fenced = 0, 0
+for i = 1, #ARGV, 4 do
+  local field, token, w, behind = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
+  local owner = tonumber(redis.call('HGET', KEYS[2], field) or '-1')
+  if token < owner then
+    fenced = fenced + 1
+  else
+    if w ~= '' then
+      local have = tonumber(redis.call('HGET', KEYS[1], field) or '-1')
+      if token > owner or tonumber(w) > have then
+        redis.call('HSET', KEYS[1], field, w)
+        redis.call('HSET', KEYS[2], field, token)
+        written = written + 1
+      end
+    end
+    if behind ~= '' then redis.call('HSET', KEYS[3], field, behind .. ':' .. now) end
+  end
 end
-return 1
+return {1, written, fenced}
 """
+
+
+@dataclass(frozen=True, slots=True)
+class MarkWrite:
+    """One mark for :data:`MARK`: its owner's token, the watermark (None: leave it), and
+    the records its owner is behind (None: unknown)."""
+
+    field: str
+    token: int
+    watermark_ms: int | None
+    behind: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MarkReply:
+    """What :data:`MARK` did: whether Redis still held this worker's presence mark, how
+    many marks it wrote, and how many writes it refused (a newer owner holds them)."""
+
+    present: bool
+    written: int
+    fenced: int
 
 
 class RedisMaterializer:
@@ -155,12 +227,28 @@ class RedisMaterializer:
         self._absorb = client.register_script(ABSORB)
         self._heal = client.register_script(HEAL)
         self._mark = client.register_script(MARK)
+        self._claim = client.register_script(CLAIM)
+        self._sample = client.register_script(SAMPLE)
 
-    async def write_batch(self, writes: Sequence[KeyWrite]) -> None:
+    async def write_batch(
+        self,
+        writes: Sequence[KeyWrite],
+        marks: Sequence[MarkWrite] = (),
+        presence: str = "",
+    ) -> MarkReply | None:
         """Mirror one fold batch: every key's window and absorbed reservations in one
-        pipeline of :data:`ABSORB` calls, each key atomic, never over a newer window."""
-        if not writes:
-            return
+        pipeline of :data:`ABSORB` calls, each key atomic, never over a newer window; then,
+        in the same round trip, the ``marks`` the batch advanced (:data:`MARK`).
+
+        Redis runs a pipeline's commands in order, so a mark is never visible before the
+        windows it vouches for; an admission between them sees the old mark with newer
+        windows, which is still true.
+
+        Returns:
+            What the mark script did, or None when no marks were given.
+        """
+        if not writes and not marks:
+            return None
         async with self.client.pipeline(transaction=False) as pipe:
             for first in range(0, len(writes), ABSORB_KEYS_PER_CALL):
                 keys: list[str] = []
@@ -176,7 +264,12 @@ class RedisMaterializer:
                     # Read by admission for ``overage: cap_next`` policies (schemas.overage).
                     name = overage_key(self.prefix, w.key)
                     pipe.set(name, w.overage.encode(), px=w.spec.window_ms)
-            await pipe.execute()
+            if marks:
+                await self._mark(
+                    keys=self._mark_keys(presence), args=_mark_args(marks), client=pipe
+                )
+            replies = await pipe.execute()
+        return _mark_reply(replies[-1]) if marks else None
 
     def _absorb_keys(self, key: str) -> list[str]:
         return [
@@ -284,20 +377,47 @@ class RedisMaterializer:
             pipe.incr(policies_version_key(self.prefix))
             await pipe.execute()
 
-    async def write_marks(self, marks: dict[str, int | None], presence: str) -> bool:
-        """Write applied marks (watermark ms, None: now on the Redis clock).
+    async def write_marks(self, marks: Sequence[MarkWrite], presence: str) -> MarkReply:
+        """Write applied marks, fenced (:data:`MARK`).
 
         Returns:
-            False when ``presence`` (this worker's mark that Redis still holds what it
-            wrote) is gone: nothing was written, the worker must restore first.
+            ``present`` False when ``presence`` (this worker's mark that Redis still holds
+            what it wrote) is gone: nothing was written, the worker must claim and restore.
         """
         if not marks:
-            return True
-        args: list[str | int] = []
-        for field, value in marks.items():
-            args += [field, "" if value is None else value]
-        keys = [marks_key(self.prefix), presence]
-        return bool(await self._mark(keys=keys, args=args))
+            return MarkReply(True, 0, 0)
+        reply = await self._mark(keys=self._mark_keys(presence), args=_mark_args(marks))
+        return _mark_reply(reply)
+
+    def _mark_keys(self, presence: str) -> list[str]:
+        p = self.prefix
+        return [marks_key(p), mark_owners_key(p), mark_progress_key(p), presence]
+
+    async def claim(self, fields: Sequence[str], presence: str) -> dict[str, Claim]:
+        """Claim ``fields`` for this worker (:data:`CLAIM`): a fencing token each, and the
+        mark Redis holds now; sets ``presence``."""
+        keys = [mark_owners_key(self.prefix), marks_key(self.prefix), presence]
+        reply = await self._claim(keys=keys, args=list(fields)) if fields else []
+        if not fields:
+            await self.client.set(presence, b"1")
+        out: dict[str, Claim] = {}
+        for i, field in enumerate(fields):
+            token, mark = reply[2 * i], reply[2 * i + 1]
+            out[field] = Claim(int(token), int(mark) if mark not in (b"", "") else None)
+        return out
+
+    async def sample(self, usage_fields: Sequence[str]) -> tuple[int, list[int | None]]:
+        """The Redis clock (ms) and the usage marks at that instant (:data:`SAMPLE`)."""
+        if not usage_fields:
+            return await self.now_ms(), []
+        reply = await self._sample(keys=[marks_key(self.prefix)], args=list(usage_fields))
+        marks = [int(m) if m not in (b"", "") else None for m in reply[1:]]
+        return int(reply[0]), marks
+
+    async def now_ms(self) -> int:
+        """The Redis clock in ms."""
+        seconds, micros = await self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
 
     async def stand_in(self, policies: Iterable[Policy], topology: Topology, until_ms: int) -> None:
         """Play a worker caught up on every partition until ``until_ms``: write the policies
@@ -307,12 +427,18 @@ class RedisMaterializer:
         marks = dict.fromkeys(topology.all_marks(), until_ms)
         await self.client.hset(marks_key(self.prefix), mapping=marks)  # type: ignore[arg-type]
 
-    async def marks_present(self, fields: Iterable[str]) -> bool:
-        """Whether every one of ``fields`` is in the marks hash."""
-        wanted = list(fields)
-        if not wanted:
-            return True
-        return all(v is not None for v in await self.client.hmget(marks_key(self.prefix), wanted))
+
+def _mark_args(marks: Iterable[MarkWrite]) -> list[str | int]:
+    args: list[str | int] = []
+    for m in marks:
+        w = "" if m.watermark_ms is None else m.watermark_ms
+        args += [m.field, m.token, w, "" if m.behind is None else m.behind]
+    return args
+
+
+def _mark_reply(reply: Sequence[int]) -> MarkReply:
+    present, written, fenced = (int(x) for x in reply)
+    return MarkReply(bool(present), written, fenced)
 
 
 def _score_arg(score: float | None) -> str:

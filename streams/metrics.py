@@ -76,3 +76,13 @@ REFILLED = Counter(
     "Records the stream skipped (a hole in a partition's offsets), read back and handled.",
     ["topic"],
 )
+MARKS_FENCED = Counter(
+    "spendgate_marks_fenced_total",
+    "Applied-mark writes Redis refused because a newer owner of the partition holds them.",
+)
+RESTORE_SECONDS = Histogram(
+    "spendgate_restore_seconds",
+    "How long rewriting the windows of newly assigned partitions (or all, after a loss "
+    "of Redis data) into Redis took.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)

@@ -54,6 +54,13 @@ class WorkerSettings(BaseSettings):
     #: Key states kept decoded between batches (``streams.statecache``), bounded by their
     #: buckets + reservations + offsets (about 100 bytes of memory each); 0 turns it off.
     state_cache_items: int = Field(2_000_000, ge=0)
+    #: Standby copies of each table partition kept by other workers (a handover restores
+    #: from the standby instead of the whole changelog). Needs that many more workers.
+    standby_replicas: int = Field(1, ge=0, le=3)
+    #: How far the broker's clock may run behind Redis's (ms): an idle partition's applied
+    #: watermark is the Redis clock minus this (streams.marks). 0 on one host; the NTP
+    #: bound between the broker's and Redis's hosts otherwise.
+    mark_clock_skew_ms: int = Field(100, ge=0, le=60_000)
     #: How far in the future ``occurred_at`` may lie before it is clamped.
     max_future_skew_ms: int = Field(300_000, ge=0)
 

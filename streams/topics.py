@@ -42,7 +42,14 @@ async def ensure_topics(settings: WorkerSettings) -> None:
     wanted = [
         NewTopic(settings.topic("usage"), settings.partitions, 1, topic_configs=usage_configs),
         # Created here, not by faust: faust's assignor ignores a topic missing at subscribe time.
-        NewTopic(settings.keyed_topic, settings.partitions, 1),
+        # Stamped by the broker: a keyed partition's watermark is read from its records'
+        # append times (streams.marks).
+        NewTopic(
+            settings.keyed_topic,
+            settings.partitions,
+            1,
+            topic_configs={"message.timestamp.type": "LogAppendTime"},
+        ),
         NewTopic(settings.topic("policies"), 1, 1, topic_configs={"cleanup.policy": "compact"}),
         NewTopic(settings.topic("alerts"), 1, 1),
         NewTopic(settings.topic("dlq"), 1, 1),

@@ -1,49 +1,246 @@
-"""When the worker may write each applied mark, and which watermark (``streams.marks``)."""
+"""The applied watermarks (``streams.marks``) against the truth they claim, on random histories.
+
+The model under test emits concrete watermarks (never "now"); the test keeps its own truth:
+each record's log-append time and which records Redis holds, and its own copy of the mark
+script's fencing rule (a lower token, or a lower watermark with the same token, is refused).
+After every step the mark Redis holds must be at most the truth (the greatest t such that
+every record appended at or before t is applied), and it never moves back except when
+Redis itself lost it.
+"""
 
 from __future__ import annotations
 
-from streams.marks import MarkKeeper, Progress
+from dataclasses import dataclass, field
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from streams.marks import Claim, Watermarks
+
+F = "usage:0"
+K = "keyed:0"
 
 
-class TestDue:
-    def test_caught_up_is_the_present_and_behind_is_the_last_record_time(self) -> None:
-        due = MarkKeeper().due(
-            {
-                "usage:0": Progress(position=10, end=10, broker_ms=5),
-                "usage:1": Progress(position=7, end=10, broker_ms=1234),
-            },
-            usage_marks_complete=True,
-        )
-        assert due == {"usage:0": None, "usage:1": 1234}
+@dataclass
+class Redis:
+    """The marks as the mark script keeps them (the rule restated, not imported)."""
 
-    def test_nothing_handled_and_records_left_writes_nothing(self) -> None:
-        due = MarkKeeper().due({"usage:0": Progress(None, 3, None)}, True)
-        assert due == {}
+    marks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    issued: int = 0
+
+    def claim(self, name: str) -> Claim:
+        self.issued += 1
+        held = self.marks.get(name)
+        if held is not None:
+            self.marks[name] = (self.issued, held[1])
+        return Claim(self.issued, None if held is None else held[1])
+
+    def write(self, name: str, token: int, w: int | None) -> None:
+        if w is None:
+            return
+        held = self.marks.get(name)
+        if held is not None and (token < held[0] or (token == held[0] and w <= held[1])):
+            return
+        self.marks[name] = (token, w)
+
+    def mark(self, name: str) -> int | None:
+        held = self.marks.get(name)
+        return None if held is None else held[1]
 
 
-class TestAfterALoss:
-    def test_a_usage_mark_returns_only_past_the_end_seen_at_the_loss(self) -> None:
-        keeper = MarkKeeper()
-        keeper.lost({"usage:0": 50}, keyed=[])
-        assert keeper.holding
-        # Behind the end offset of the loss: held even though a watermark is known.
-        assert keeper.due({"usage:0": Progress(40, 60, 999)}, True) == {}
-        assert keeper.due({"usage:0": Progress(50, 60, 1000)}, True) == {"usage:0": 1000}
-        assert not keeper.holding
-        # Released for good: later ticks write as usual.
-        assert keeper.due({"usage:0": Progress(55, 60, 1001)}, True) == {"usage:0": 1001}
+@dataclass
+class Owner:
+    wm: Watermarks
+    token: int
+    #: Next offset this owner applies.
+    position: int
 
-    def test_a_keyed_mark_takes_its_end_only_once_every_usage_mark_is_back(self) -> None:
-        keeper = MarkKeeper()
-        keeper.lost({}, keyed=["keyed:1"])
-        caught_up = Progress(position=20, end=20, broker_ms=7)
-        assert keeper.due({"keyed:1": caught_up}, usage_marks_complete=False) == {}
-        # Usage marks back: the end offset now (25) must be reached, 20 is not enough.
-        assert keeper.due({"keyed:1": Progress(20, 25, 7)}, True) == {}
-        assert keeper.due({"keyed:1": Progress(25, 25, 8)}, True) == {"keyed:1": None}
 
-    def test_a_partition_given_away_is_no_longer_held(self) -> None:
-        keeper = MarkKeeper()
-        keeper.lost({"usage:0": 50, "usage:1": 10}, keyed=[])
-        keeper.due({"usage:1": Progress(10, 10, 1)}, True)
-        assert not keeper.holding
+@dataclass
+class World:
+    """One usage partition: its records, what Redis holds, the owners."""
+
+    clock: int = 1_000
+    times: list[int] = field(default_factory=list)
+    applied: int = 0
+    redis: Redis = field(default_factory=Redis)
+    owner: Owner | None = None
+    stale: Owner | None = None
+    last_mark: int | None = None
+
+    def truth(self) -> int:
+        if self.applied < len(self.times):
+            return self.times[self.applied] - 1
+        # Every later record is appended at the present or after.
+        return self.clock - 1
+
+    def new_owner(self) -> None:
+        self.stale = self.owner
+        claim = self.redis.claim(F)
+        wm = Watermarks()
+        wm.assign({F: claim}, moved=[F])
+        wm.restored([F])
+        # The new owner starts at the committed offset: what Redis holds.
+        self.owner = Owner(wm, claim.token, self.applied)
+
+    def apply(self, who: Owner, n: int) -> None:
+        upto = min(len(self.times), who.position + n)
+        if upto == who.position:
+            return
+        who.position = upto
+        self.applied = max(self.applied, upto)
+        w = who.wm.applied(F, upto, self.times[upto - 1])
+        self.redis.write(F, who.token, w)
+
+    def idle(self, who: Owner, before_fetch: int, after_fetch: int) -> None:
+        t0 = self.clock
+        self.times += [self.clock] * before_fetch  # appended after the clock was read
+        end = len(self.times)
+        self.times += [self.clock] * after_fetch  # appended after the end was fetched
+        w = who.wm.idle(F, t0, end, who.position)
+        self.redis.write(F, who.token, w)
+
+    def flush(self) -> None:
+        """Redis loses everything; the owner notices, claims again, restores its windows."""
+        self.redis.marks.clear()
+        self.applied = 0
+        self.last_mark = None
+        assert self.owner is not None
+        claim = self.redis.claim(F)
+        self.owner.wm.assign({F: claim}, moved=[F])
+        self.owner.token = claim.token
+        self.applied = self.owner.position  # the restore rewrites what its table holds
+        self.owner.wm.restored([F])
+
+    def check(self) -> None:
+        mark = self.redis.mark(F)
+        if mark is None:
+            return
+        assert mark <= self.truth(), f"mark {mark} ahead of the truth {self.truth()}"
+        if self.last_mark is not None:
+            assert mark >= self.last_mark, f"mark moved back {self.last_mark} -> {mark}"
+        self.last_mark = mark
+
+
+step = st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 4)),
+    st.tuples(st.just("tick"), st.sampled_from([0, 1, 2, 50, 40_000])),
+    st.tuples(st.just("apply"), st.integers(1, 5)),
+    st.tuples(st.just("idle"), st.integers(0, 2), st.integers(0, 2)),
+    st.tuples(st.just("reassign")),
+    st.tuples(st.just("stale_apply"), st.integers(1, 5)),
+    st.tuples(st.just("stale_idle")),
+    st.tuples(st.just("flush")),
+)
+
+
+class TestAgainstTheTruth:
+    @given(st.lists(step, max_size=60))
+    def test_never_ahead_of_the_truth_and_monotone(self, steps: list[tuple]) -> None:
+        world = World()
+        world.new_owner()
+        for op, *args in steps:
+            owner = world.owner
+            assert owner is not None
+            if op == "append":
+                world.times += [world.clock] * args[0]
+            elif op == "tick":
+                world.clock += args[0]
+            elif op == "apply":
+                world.apply(owner, args[0])
+            elif op == "idle":
+                world.idle(owner, args[0], args[1])
+            elif op == "reassign":
+                world.new_owner()
+            elif op == "stale_apply" and world.stale is not None:
+                world.apply(world.stale, args[0])
+            elif op == "stale_idle" and world.stale is not None:
+                world.idle(world.stale, 0, 0)
+            elif op == "flush":
+                world.flush()
+            world.check()
+
+    @given(st.lists(st.integers(0, 3), min_size=1, max_size=20), st.integers(1, 100_000))
+    def test_caught_up_and_idle_the_mark_is_the_clock_read_before_the_fetch(
+        self, batches: list[int], gap: int
+    ) -> None:
+        world = World()
+        world.new_owner()
+        assert world.owner is not None
+        for n in batches:
+            world.times += [world.clock] * n
+            world.apply(world.owner, n)
+            world.clock += gap
+            world.idle(world.owner, 0, 0)
+            assert world.redis.mark(F) == world.clock - 1
+            world.check()
+
+
+class TestIdleGap:
+    def test_one_record_after_a_long_idle_gap_does_not_move_the_mark_back(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(1, None)}, moved=[])
+        # Missing in Redis: held until the end seen now (0) is reached, which it is.
+        assert wm.idle(F, 1_000, 0, 0) == 999
+        # 40 s of nothing: caught up all along, the mark follows the clock.
+        assert wm.idle(F, 41_000, 0, 0) == 40_999
+        # Then one record (appended at 41,500) applied before the next idle tick: the mark
+        # stays where it was, never back at the record before the gap.
+        assert wm.applied(F, 1, 41_500) == 41_499
+        assert wm.applied(F, 2, 41_500) is None
+
+
+class TestHandover:
+    def test_a_new_owner_starts_from_the_mark_in_redis_and_never_below_it(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(7, 50_000)}, moved=[F])
+        # Restoring: nothing claimed, whatever it applies.
+        assert wm.applied(F, 10, 60_000) is None
+        wm.restored([F])
+        assert wm.applied(F, 11, 40_000) is None  # below the mark it found: not written
+        assert wm.applied(F, 12, 60_000) == 59_999
+
+    def test_a_partition_whose_mark_is_missing_waits_for_the_end_seen_after_the_claim(
+        self,
+    ) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(1, None)}, moved=[F])
+        wm.restored([F])
+        assert wm.applied(F, 5, 1_000) is None  # end not taken yet
+        assert wm.idle(F, 2_000, 8, 5) is None  # end taken: 8
+        assert wm.applied(F, 7, 1_500) is None
+        assert wm.applied(F, 8, 1_600) == 1_599
+        assert [h.state for h in wm.health()] == ["vouched"]
+
+
+class TestKeyed:
+    def test_a_keyed_claim_is_the_least_usage_mark_sampled_no_later(self) -> None:
+        wm = Watermarks()
+        wm.assign({K: Claim(1, 5_000)}, moved=[])
+        wm.sample(9_000, [8_000, 7_000])
+        wm.sample(10_000, [9_500, 9_000])
+        # Caught up at 10,000 (clock read before the fetch): the sample at 10,000 holds.
+        assert wm.idle(K, 10_000, 3, 3) == 9_000
+        # Behind: applied up to a record appended at 9,500; the sample at 9,000 is the
+        # latest no later than 9,499.
+        wm2 = Watermarks()
+        wm2.assign({K: Claim(1, 5_000)}, moved=[])
+        wm2.sample(9_000, [8_000, 7_000])
+        wm2.sample(10_000, [9_500, 9_000])
+        assert wm2.applied(K, 2, 9_500) == 7_000
+
+    def test_a_usage_mark_missing_from_the_sample_claims_nothing(self) -> None:
+        wm = Watermarks()
+        wm.assign({K: Claim(1, 5_000)}, moved=[])
+        wm.sample(10_000, [9_500, None])
+        assert wm.idle(K, 10_000, 3, 3) is None
+
+    def test_a_lost_keyed_mark_takes_its_end_only_once_every_usage_mark_is_back(self) -> None:
+        wm = Watermarks()
+        wm.assign({K: Claim(1, None)}, moved=[])
+        wm.sample(10_000, [9_000, None])
+        assert wm.idle(K, 10_000, 20, 20) is None
+        wm.sample(11_000, [10_500, 10_400])
+        assert wm.idle(K, 11_000, 25, 20) is None  # the end now (25) must be reached
+        wm.sample(12_000, [11_500, 11_400])
+        assert wm.idle(K, 12_000, 25, 25) == 11_400
