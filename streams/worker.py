@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import io
 import logging
 import signal
 
-import faust
 from faust.worker import Worker
 
-from schemas.policies import Policy
 from streams.app import build_app
 from streams.health import WorkerHealth
 from streams.health_server import HealthServer
@@ -28,16 +25,6 @@ def _dump_tasks(signum: int, frame: object) -> None:
         out = io.StringIO()
         task.print_stack(limit=8, file=out)
         logger.warning("task %s:\n%s", task.get_name(), out.getvalue())
-
-
-def _app(
-    settings: WorkerSettings, policies: dict[str, Policy], retention_ms: int, health: WorkerHealth
-) -> faust.App:
-    """``build_app`` with ``health`` when it takes it (it tells the health what it owns)."""
-    if "health" in inspect.signature(build_app).parameters:
-        return build_app(settings, policies, retention_ms, health=health)  # type: ignore[call-arg,unused-ignore]
-    logger.warning("this build_app does not report partition health: /readyz stays 503")
-    return build_app(settings, policies, retention_ms)
 
 
 def run_worker(settings: WorkerSettings) -> None:
@@ -64,7 +51,7 @@ def run_worker(settings: WorkerSettings) -> None:
             "metrics on http://127.0.0.1:%s/metrics (and /healthz, /readyz)", settings.metrics_port
         )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    app = _app(settings, policies, usage.retention_ms, health)
+    app = build_app(settings, policies, usage.retention_ms, health=health)
     signal.signal(signal.SIGUSR1, _dump_tasks)
     worker = Worker(app, loglevel="INFO", override_logging=False, quiet=True)
     worker.execute_from_commandline()

@@ -16,11 +16,14 @@ from datetime import UTC, datetime
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 
-from schemas.redis_keys import marks_key, topology_key
+from schemas.redis_keys import mark_owners_key, mark_progress_key, marks_key, topology_key
 from schemas.shards import Topology, partition_for
 from streams.kafka_util import assign, partitions, stop
+from streams.marks import Claim
+from streams.materialize import MarkWrite, RedisMaterializer
 from streams.settings import WorkerSettings
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, produce, window_sum
@@ -131,3 +134,67 @@ class TestMarks:
             )
             await asyncio.sleep(0.05)
         assert window_sum(redis_sync, prefix, key) == 1
+
+
+class TestFencing:
+    """The claim and mark scripts on a real Redis (``streams.materialize`` CLAIM / MARK)."""
+
+    async def test_a_lower_token_or_a_lower_watermark_with_the_same_token_is_refused(
+        self, redis_client: aioredis.Redis, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        m = RedisMaterializer(redis_client, key_prefix)
+        old_owner, new_owner = f"{key_prefix}worker:a", f"{key_prefix}worker:b"
+        (first,) = (await m.claim(["usage:0"], old_owner)).values()
+        assert first == Claim(1, None)
+        assert (await m.write_marks([MarkWrite("usage:0", 1, 1_000)], old_owner)).written == 1
+        # The partition moves: the new owner's token is higher, and it sees the mark.
+        (second,) = (await m.claim(["usage:0"], new_owner)).values()
+        assert second == Claim(2, 1_000)
+        # The old owner, resumed, writes a later watermark: refused, the mark stays.
+        reply = await m.write_marks([MarkWrite("usage:0", 1, 5_000)], old_owner)
+        assert (reply.present, reply.written, reply.fenced) == (True, 0, 1)
+        assert redis_sync.hget(marks_key(key_prefix), "usage:0") == b"1000"
+        # Same token: a lower or equal watermark changes nothing, a higher one is written.
+        for w, written in ((900, 0), (1_000, 0), (2_000, 1)):
+            reply = await m.write_marks([MarkWrite("usage:0", 2, w)], new_owner)
+            assert (reply.written, reply.fenced) == (written, 0), w
+        assert redis_sync.hget(marks_key(key_prefix), "usage:0") == b"2000"
+        assert redis_sync.hget(mark_owners_key(key_prefix), "usage:0") == b"2"
+
+    async def test_progress_is_written_with_the_redis_clock_and_only_by_the_owner(
+        self, redis_client: aioredis.Redis, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        m = RedisMaterializer(redis_client, key_prefix)
+        me = f"{key_prefix}worker:a"
+        await m.claim(["keyed:1"], me)
+        await m.write_marks([MarkWrite("keyed:1", 1, None, behind=7)], me)
+        behind, at = redis_sync.hget(mark_progress_key(key_prefix), "keyed:1").split(b":")
+        seconds, micros = redis_sync.time()
+        assert int(behind) == 7
+        assert 0 <= seconds * 1000 + micros // 1000 - int(at) < 5_000
+        assert redis_sync.hget(marks_key(key_prefix), "keyed:1") is None  # no watermark given
+        await m.claim(["keyed:1"], f"{key_prefix}worker:b")
+        reply = await m.write_marks([MarkWrite("keyed:1", 1, None, behind=99)], me)
+        assert reply.fenced == 1
+        assert redis_sync.hget(mark_progress_key(key_prefix), "keyed:1").startswith(b"7:")
+
+    async def test_nothing_is_written_once_the_presence_mark_is_gone(
+        self, redis_client: aioredis.Redis, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        m = RedisMaterializer(redis_client, key_prefix)
+        me = f"{key_prefix}worker:a"
+        await m.claim(["usage:0"], me)
+        redis_sync.delete(me)  # Redis lost its data (as a flush would)
+        reply = await m.write_marks([MarkWrite("usage:0", 1, 1_000)], me)
+        assert (reply.present, reply.written) == (False, 0)
+        assert redis_sync.hget(marks_key(key_prefix), "usage:0") is None
+
+    async def test_the_sample_reads_the_clock_and_every_usage_mark_at_once(
+        self, redis_client: aioredis.Redis, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        m = RedisMaterializer(redis_client, key_prefix)
+        redis_sync.hset(marks_key(key_prefix), mapping={"usage:0": 10, "usage:2": 30})
+        now, marks = await m.sample(["usage:0", "usage:1", "usage:2"])
+        seconds, micros = redis_sync.time()
+        assert marks == [10, None, 30]
+        assert 0 <= seconds * 1000 + micros // 1000 - now < 5_000
