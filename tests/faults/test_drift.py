@@ -9,7 +9,10 @@ events while the check runs end equal to everything sent).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -29,6 +32,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 SCENARIO = 13
 TENANTS = [f"t{i}" for i in range(12)]
 PER_TENANT = 40
+#: Keys the drift check compares per second: one cycle over the 12 keys takes 3 s.
+KEYS_PER_S = 4
+#: How often this test looks at the altered windows.
+POLL_S = 0.1
+#: The worker's drift check runs on a 1-second timer (streams/app.py ``drift_check``).
+TICK_S = 1.0
 
 
 def _commit(tenant: str, at: datetime, tokens: int) -> bytes:
@@ -55,7 +64,7 @@ class TestDrift:
     ) -> None:
         port = free_port()
         # 4 keys per second: one cycle over the 12 keys takes 3 s.
-        workers.start(metrics_port=port, env={"SPENDGATE_DRIFT_KEYS_PER_S": "4"})
+        workers.start(metrics_port=port, env={"SPENDGATE_DRIFT_KEYS_PER_S": str(KEYS_PER_S)})
         policy = policy_factory(unit="input_tokens", limit=10**9, window="1h", bucket="1m")
         await apply_policies(policy)
         prefix = worker_settings.redis_prefix
@@ -82,41 +91,80 @@ class TestDrift:
         await eventually(lambda: sums() == sent, timeout_s=120, what="every event counted")
         healed_before = metric(port, "spendgate_drift_keys_total")
         assert healed_before == 0, "nothing had drifted yet"
+        # Bucket for bucket, what every window holds before anything is altered.
+        before = {t: buckets(redis_sync, prefix, key(t)) for t in TENANTS}
+        assert all(sum(b.values()) == sent[t] for t, b in before.items())
 
         # Behind the worker's back: double one window, drop a bucket of another, delete a
         # third. The altered keys stay quiet; others keep receiving events.
         doubled, trimmed, deleted = TENANTS[0], TENANTS[1], TENANTS[2]
-        b = buckets(redis_sync, prefix, key(doubled))
+        altered_at: dict[str, float] = {}
+        b = before[doubled]
         redis_sync.set(
             window_key(prefix, key(doubled)),
             window_codec.encode({s: 2 * a for s, a in b.items()}, 60_000),
         )
-        b = buckets(redis_sync, prefix, key(trimmed))
+        altered_at[doubled] = time.monotonic()
+        b = dict(before[trimmed])
         b.pop(max(b))
         redis_sync.set(window_key(prefix, key(trimmed)), window_codec.encode(b, 60_000))
+        altered_at[trimmed] = time.monotonic()
         redis_sync.delete(window_key(prefix, key(deleted)))
+        altered_at[deleted] = time.monotonic()
         assert sums()[doubled] == 2 * sent[doubled] and sums()[trimmed] < sent[trimmed]
+        assert not redis_sync.exists(window_key(prefix, key(deleted)))
         busy = TENANTS[3:]
+        now_ms = int(now.timestamp() * 1000)
+        want = {t: dict(before[t]) for t in TENANTS}
         for t in busy:
-            await produce(
+            want[t][now_ms - now_ms % 60_000] = want[t].get(now_ms - now_ms % 60_000, 0) + 5
+            sent[t] += 5
+        load = asyncio.create_task(
+            produce(
                 worker_settings.kafka_bootstrap,
                 worker_settings.topic("usage"),
-                [(t.encode(), _commit(t, now, 5))],
+                [(t.encode(), _commit(t, now, 5)) for t in busy],
             )
-            sent[t] += 5
-        # One cycle is 3 s; allow three cycles on a loaded box, plus the events in flight.
-        await eventually(lambda: sums() == sent, timeout_s=15, what="altered windows healed")
+        )
+        # Each altered window polled every POLL_S until it is back, bucket for bucket.
+        heal_s: dict[str, float] = {}
+        deadline = time.monotonic() + 15
+        while len(heal_s) < len(altered_at) and time.monotonic() < deadline:
+            for t, at in altered_at.items():
+                if t not in heal_s and buckets(redis_sync, prefix, key(t)) == want[t]:
+                    heal_s[t] = time.monotonic() - at
+            await asyncio.sleep(POLL_S)
+        await load
+        # Every window ends equal to what was there before plus what was sent since: the
+        # busy ones were never overwritten with an older window.
+        await eventually(
+            lambda: {t: buckets(redis_sync, prefix, key(t)) for t in TENANTS} == want,
+            timeout_s=15,
+            what="every window equal, bucket for bucket, to what the test sent",
+        )
         healed = metric(port, "spendgate_drift_keys_total") - healed_before
         cycle_s = metric(port, "spendgate_drift_last_cycle_seconds")
+        # One cycle, from the settings: the check runs once a second (TICK_S) on the next
+        # KEYS_PER_S keys, so a pass over the 12 keys is 3 ticks, and the tick that finds
+        # the pass finished (visiting none) starts the next one: a key is compared again 4
+        # ticks after its last look. (``drift_last_cycle_seconds`` reports 3 s: it times a
+        # pass from its first tick to its last, not the gap between two looks at a key.)
+        cycle_bound = (math.ceil(len(TENANTS) / KEYS_PER_S) + 1) * TICK_S
         fault_record.add(
             keys=len(TENANTS),
-            windows_altered=3,
+            windows_altered=len(altered_at),
             windows_healed=int(healed),
+            heal_seconds={t: round(v, 2) for t, v in heal_s.items()},
+            heal_bound_seconds=round(cycle_bound + POLL_S, 2),
             units_lost=sum(max(0, sent[t] - v) for t, v in sums().items()),
             units_double_counted=sum(max(0, v - sent[t]) for t, v in sums().items()),
             drift_cycle_seconds=cycle_s,
         )
-        # Exactly the three altered windows were healed: the busy ones were never judged
-        # stale against a newer write.
+        # Exactly the three altered windows were healed, each within one drift cycle (plus
+        # this test's poll interval): the busy ones were never judged stale against a
+        # newer write.
+        assert set(heal_s) == set(altered_at), heal_s
+        assert max(heal_s.values()) <= cycle_bound + POLL_S, (heal_s, cycle_bound)
         assert healed == 3
-        assert 0 < cycle_s < 10
+        # The worker's own measure of a pass (first tick to last) fits in one cycle too.
+        assert 0 < cycle_s <= cycle_bound, cycle_s

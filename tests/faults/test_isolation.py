@@ -253,6 +253,8 @@ class TestKeyCollisions:
             fault_record.fault("hypothesis: random value pairs built from key separators, "
                                "braces, quotes, Lua pattern characters, NUL, newlines")  # fmt: skip
             fault_record.add(events_checked=tried["pairs"], **tried)
+        # The run drew pairs that differ (a run of equal pairs proves nothing), none collided.
+        assert tried["distinct_pairs"] > 0 and tried["collisions"] == 0, tried
 
     async def test_crafted_values_reach_only_their_own_counter(
         self,
