@@ -7,8 +7,10 @@ the raw events.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -129,6 +131,51 @@ def with_boundary(spec: WindowSpec, boundary: Boundary) -> WindowSpec:
     return dataclasses.replace(spec, boundary=boundary)
 
 
+TESTS = Path(__file__).resolve().parent.parent
+README = TESTS.parent / "README.md"
+
+
+def setting_overrides(path: Path) -> list[tuple[str, str, object]]:
+    """Every ``max_examples=`` / ``derandomize=`` / ``database=`` / profile change written in
+    ``path``, as (enclosing function or "<module>", keyword, value). A value named by a
+    module constant is resolved to that constant's literal."""
+    tree = ast.parse(path.read_text(), str(path))
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    found: list[tuple[str, str, object]] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) and where == "<module>":
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, where)  # an inner function belongs to its test
+                continue
+            if isinstance(child, ast.Call):
+                name = ast.unparse(child.func)
+                if name.endswith(("register_profile", "load_profile")):
+                    found.append((where, name, ast.unparse(child)))
+                for kw in child.keywords:
+                    if kw.arg in {"max_examples", "derandomize", "database"}:
+                        value = kw.value
+                        resolved: object = (
+                            value.value
+                            if isinstance(value, ast.Constant)
+                            else constants.get(ast.unparse(value), ast.unparse(value))
+                        )
+                        found.append((where, kw.arg, resolved))
+            visit(child, where)
+
+    visit(tree, "<module>")
+    return found
+
+
 class TestProfile:
     def test_properties_vary_per_run_and_run_2000_examples_in_ci(
         self, request: pytest.FixtureRequest
@@ -141,6 +188,34 @@ class TestProfile:
         # unless --hypothesis-seed was given on the command line.
         forced = request.config.getoption("hypothesis_seed", default=None)
         assert str(core.global_force_seed) == str(RUN_SEED if forced is None else forced)
+
+    def test_every_per_test_override_is_named_in_the_readme(self) -> None:
+        # A test's own @settings(max_examples=...) wins over the profile: the README's
+        # "2,000 per property" holds only for the tests that set none. Every override
+        # (count, derandomize, database, a profile of its own) is found in the source and
+        # must be named, with its count, in the README's claims row 4; none may derandomize.
+        (row,) = [line for line in README.read_text().splitlines() if line.startswith("| 4 |")]
+        overrides = {
+            (path.relative_to(TESTS).as_posix(), where, key, value)
+            for path in sorted(TESTS.rglob("*.py"))
+            if path != TESTS / "conftest.py"
+            for where, key, value in setting_overrides(path)
+        }
+        for path, where, key, value in sorted(overrides, key=str):
+            assert key not in {"register_profile", "load_profile"}, (path, where, value)
+            if key == "derandomize":
+                assert value is False, (path, where)
+            if key == "max_examples":
+                assert f"`{where}`" in row and f"{value:,} " in row, (
+                    f"{path}::{where} runs {value} examples; README claims row 4 does not say so"
+                )
+        # The scan finds what it is meant to (it is not blind to today's overrides).
+        counted = {(p, w, v) for p, w, k, v in overrides if k == "max_examples"}
+        assert (
+            "streams/test_fold.py",
+            "test_batch_sizes_1_7_and_1000_equal_the_per_record_path",
+            60,
+        ) in counted
 
 
 class TestTotals:
