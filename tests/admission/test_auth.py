@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from admission.auth import OPERATOR, Authorizer, load_tokens
 from schemas.exceptions import ConfigurationError
 from tests.fixtures.admission import Admission, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.services import Services
 
 pytestmark = pytest.mark.integration
 
@@ -117,3 +119,100 @@ class TestTokensFile:
         with pytest.raises(ConfigurationError) as caught:
             load_tokens(path)
         assert "secret-token" not in str(caught.value)
+
+
+class TestTokensNeverLogged:
+    async def test_a_real_server_at_debug_logs_no_token_nor_its_base64(
+        self,
+        services: Services,
+        key_prefix: str,
+        topic_prefix: str,
+        policy_factory: PolicyFactory,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """The product's server stack (uvicorn with ``uvicorn_options``, access log on) at
+        DEBUG over TCP: requests that use a valid token, an unknown one and the token sent
+        as Basic credentials; no log line holds a token or a base64 form of it."""
+        import base64
+        import threading
+        import time
+
+        import httpx
+        import uvicorn
+
+        from admission.server import build_app, uvicorn_options
+        from admission.settings import AdmissionSettings
+        from streams.materialize import RedisMaterializer
+        from tests.fixtures.admission import TOPOLOGY, VOUCHED, free_port
+
+        good, unknown = "tok-live-a-7f3c9e", "tok-unknown-2b8d41"
+        tokens = tmp_path / "tokens.yaml"
+        tokens.write_text(f"{good}: [a]\n")
+        port = free_port()
+        settings = AdmissionSettings(
+            kafka_bootstrap=services.kafka_bootstrap,
+            redis_url=services.redis_url,
+            topic_prefix=topic_prefix,
+            redis_prefix=key_prefix,
+            admission_port=port,
+            auth_tokens_file=tokens,
+            policy_refresh_s=0.05,
+        )
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(services.redis_url)
+        await RedisMaterializer(client, key_prefix).stand_in(
+            [policy_factory(limit=1000, unit="input_tokens")], TOPOLOGY, VOUCHED
+        )
+        await client.aclose()
+        caplog.set_level(logging.DEBUG)  # every logger, the server's and the app's
+        options = {**uvicorn_options(), "log_level": "debug", "access_log": True}
+        server = uvicorn.Server(
+            uvicorn.Config(build_app(settings), host="127.0.0.1", port=port, **options)
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 20
+            while not server.started:
+                assert time.monotonic() < deadline and thread.is_alive(), "no server"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)  # the policies are read
+            body = {
+                "request_id": "log-1",
+                "subject": {"tenant": "a", "model": "m1"},
+                "estimate": {"input_tokens": 1},
+            }
+            basic = base64.b64encode(f"user:{good}".encode()).decode()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                used = await http.post(
+                    "/v1/admit", json=body, headers={"Authorization": f"Bearer {good}"}
+                )
+                assert used.status_code == 200, used.text
+                budgets = await http.get(
+                    "/v1/budgets",
+                    params={"tenant": "a"},
+                    headers={"Authorization": f"Bearer {good}"},
+                )
+                assert budgets.status_code == 200, budgets.text
+                for header in (f"Bearer {unknown}", f"Basic {basic}", f"Bearer  {good}x"):
+                    answer = await http.post(
+                        "/v1/admit", json=body, headers={"Authorization": header}
+                    )
+                    assert answer.status_code == 401, (header, answer.text)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=20)
+        text = caplog.text
+        # The log is not empty: the access log saw the requests (so a leak would show).
+        assert "/v1/admit" in text and "/v1/budgets" in text, text
+        for token in (good, unknown):
+            forms = {
+                token,
+                base64.b64encode(token.encode()).decode(),
+                base64.b64encode(f"user:{token}".encode()).decode(),
+                base64.b64encode(f"Bearer {token}".encode()).decode(),
+            }
+            for form in forms:
+                assert form not in text, f"{form!r} is in the log"
