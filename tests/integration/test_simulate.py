@@ -213,6 +213,31 @@ def generate_refusing(seed: str, base_ms: int, at_least: int) -> History:
     raise AssertionError(f"no history from {seed} refuses {at_least} requests")
 
 
+def redis_state(client: redis.Redis, prefix: str) -> dict[bytes, bytes | None]:
+    """Every key of ``prefix`` with its value (``DUMP``: the value's bytes, whatever its
+    type), so a changed value is seen and not only an added or removed key."""
+    return {key: client.dump(key) for key in sorted(client.scan_iter(f"{prefix}*"))}
+
+
+def seed_redis(client: redis.Redis, prefix: str) -> dict[bytes, bytes | None]:
+    """Keys of every type under ``prefix``, among them the windows and the pending window
+    of the draft's own keys (what a simulate that wrote would touch); their state."""
+    from schemas import window_codec
+    from schemas.redis_keys import pending_window_key, window_key
+
+    for tenant in TENANTS:
+        key = f"draft-tenant|tenant={tenant}"
+        window = window_codec.encode({60_000: 7}, 60_000)
+        client.set(window_key(prefix, key), window)
+        client.set(pending_window_key(prefix, key), window)
+    client.set(f"{prefix}sentinel", b"x")
+    client.hset(f"{prefix}sentinel-hash", mapping={"a": "1"})
+    client.zadd(f"{prefix}sentinel-zset", {"m": 1.0})
+    client.sadd(f"{prefix}sentinel-set", "m")
+    client.rpush(f"{prefix}sentinel-list", "m")
+    return redis_state(client, prefix)
+
+
 class TestSimulate:
     async def test_reports_exactly_the_model_s_refusals_and_touches_nothing(
         self, worker_settings: WorkerSettings, redis_sync: redis.Redis, tmp_path: Path
@@ -224,9 +249,7 @@ class TestSimulate:
         await produce(
             worker_settings.kafka_bootstrap, worker_settings.topic("refusals"), h.refusals
         )
-        sentinel = f"{worker_settings.redis_prefix}sentinel"
-        redis_sync.set(sentinel, b"x")
-        redis_before = sorted(redis_sync.scan_iter(f"{worker_settings.redis_prefix}*"))
+        redis_before = seed_redis(redis_sync, worker_settings.redis_prefix)
         topics_before = await end_offsets(worker_settings)
 
         report = await simulate(worker_settings, [draft()])
@@ -252,7 +275,7 @@ class TestSimulate:
         )
         (early_pr,) = early.policies.values()
         assert early_pr.refused == sum(t <= until_ms for ts in h.refused.values() for t in ts)
-        assert sorted(redis_sync.scan_iter(f"{worker_settings.redis_prefix}*")) == redis_before
+        assert redis_state(redis_sync, worker_settings.redis_prefix) == redis_before
         assert await end_offsets(worker_settings) == topics_before
 
         # The command: the same counts as JSON, and a chart.
