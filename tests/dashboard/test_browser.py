@@ -9,6 +9,7 @@ README shows (``docs/dashboard.png``).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from pathlib import Path
@@ -114,6 +115,19 @@ def text_of(driver: Any, selector: str) -> str:
         return ""
 
 
+def shown_seconds(cell: str) -> tuple[float, float]:
+    """The interval of seconds a Retry-After cell can stand for (``app.js`` ``seconds``:
+    ``"45s"``, ``"5m"`` rounded to the minute, ``"1.5h"`` to a tenth of an hour)."""
+    match = re.fullmatch(r"(\d+(?:\.\d)?)(s|m|h)", cell.strip())
+    assert match, f"not a duration: {cell!r}"
+    value, unit = float(match[1]), match[2]
+    if unit == "s":
+        return value, value
+    if unit == "m":
+        return value * 60 - 30, value * 60 + 30
+    return value * 3600 - 180, value * 3600 + 180
+
+
 class TestDashboardInABrowser:
     def test_what_an_operator_and_a_tenant_see(
         self, dashboard_stack: StartStack, browser: Any
@@ -122,6 +136,7 @@ class TestDashboardInABrowser:
 
         urls = dashboard_stack(TOKENS, [TIGHT, LOOSE])
         adm, dash = urls["admission"], urls["dashboard"]
+        spent_at = time.monotonic()
         spend(adm, "a", 5)  # tight|tenant=a: 5 of 5, exhausted
         spend(adm, "b", 2)  # tight|tenant=b: 2 of 5
         assert admit(adm, "b", requests=4).status_code == 429  # b refused once
@@ -136,7 +151,13 @@ class TestDashboardInABrowser:
                 and r
             ),
         )
-        assert top[0]["window"] == "5m" and top[0]["retry"] != "0s"
+        assert top[0]["window"] == "5m"
+        # Exhausted by requests sent just now: one fits again when their 10 s bucket leaves
+        # the 5 m window, at most 310 s from the spend and at least 290 s minus what passed
+        # since (the cell rounds to whole minutes from 120 s on).
+        low, high = shown_seconds(top[0]["retry"])
+        since = time.monotonic() - spent_at
+        assert low <= 310 and high >= 290 - since - 1, (top[0]["retry"], since)
         assert top[1]["key"] == "tight|tenant=b" and "2 + 0 / 5" in top[1]["usage"]
         assert {r["key"] for r in top} >= {"loose-tokens|tenant=a|api_key=a-key-1"}
 
