@@ -13,6 +13,12 @@ REPORT.md is written only by this command: beside it, ``REPORT.json`` keeps ever
 the rendering used (records, outcomes, timings, environment), and
 ``tests/faults/test_report.py`` checks that REPORT.md is exactly ``render()`` of it, so a
 hand edit of the report fails the suite.
+
+Provenance: REPORT.json records the commit the run was made from and whether the checkout
+had uncommitted changes then (which files). ``test_report`` fails when a file under
+``tests/faults/`` (the report's own two files aside) differs from that commit, so commit
+the fault tests first, then run this command; it lists the product files changed since
+the report's commit without failing (a stale report is visible, not red).
 """
 
 from __future__ import annotations
@@ -38,6 +44,39 @@ COMMAND = ".venv/bin/python -m tests.faults.report"
 SEED_ENV = "SPENDGATE_TEST_SEED"
 #: The suite run by the command (this module's own test checks the rendering, not faults).
 SELF_TEST = "tests/faults/test_report.py"
+#: The fault tests (a change here after the report's commit fails ``test_report``) and the
+#: report's own files, written after the run and so never part of its commit.
+FAULTS_DIR = "tests/faults"
+OWN_FILES = ("tests/faults/REPORT.md", "tests/faults/REPORT.json")
+#: What the fault tests judge: a change here after the report's commit is shown, not red.
+PRODUCT_DIRS = ("admission", "dashboard", "schemas", "spendgate", "streams")
+
+
+def _git(*args: str) -> str:
+    """``git <args>`` in the repository root; its stdout (fails loudly without git)."""
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def provenance() -> dict[str, Any]:
+    """The commit checked out now and the paths that differ from it (uncommitted)."""
+    commit = _git("rev-parse", "HEAD").strip()
+    changed = sorted(
+        line[3:].split(" -> ")[-1]
+        for line in _git("status", "--porcelain", "--untracked-files=all").splitlines()
+        if line[3:].split(" -> ")[-1] not in OWN_FILES
+    )
+    return {"commit": commit, "dirty": bool(changed), "uncommitted": changed}
+
+
+def changed_since(commit: str, *paths: str) -> list[str]:
+    """Files under ``paths`` that differ now (committed since, or not committed) from
+    ``commit``, untracked ones included; the report's own files left out."""
+    tracked = _git("diff", "--name-only", commit, "--", *paths).splitlines()
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *paths).splitlines()
+    return sorted({p for p in tracked + untracked if p and p not in OWN_FILES})
+
 
 SCENARIOS: dict[str, tuple[str, str]] = {
     "1": ("Worker crash", "SIGKILL the worker mid-stream (twice, at two moments), restart: "
@@ -116,6 +155,10 @@ OBSERVATIONS = """\
   position once, but the lag metric and a restart's re-reading grow. The crash test waits
   on `usage` alone and proves the rest by the windows; the batch fold (issue 11) is meant
   to take acks and offsets into its own hands.
+- **A drift pass is one tick longer than `spendgate_drift_last_cycle_seconds` says**
+  (scenario 13): the check takes `SPENDGATE_DRIFT_KEYS_PER_S` keys per 1 s tick and a pass
+  ends on the tick that finds no key left, so 12 keys at 4/s are looked at again every 4 s
+  while the metric (first tick to last) reports 3 s. The test bounds a heal by the 4 s.
 - **Types on the topic**: `"input_tokens": "100"` and `true` are refused (dead-lettered);
   `5.0` is accepted as 5, as JSON Schema counts it an integer
   (`tests/schemas/test_claims.py`).
@@ -203,6 +246,7 @@ def render(
     pytest_args: list[str],
     generated: str,
     env: dict[str, str],
+    source: dict[str, Any] | None = None,
 ) -> str:
     """The REPORT.md text: a pure function of its arguments (REPORT.json keeps them)."""
     now = generated
@@ -216,6 +260,7 @@ def render(
         + (f" {shlex.join(pytest_args)}" if pytest_args else "")
         + "` (it runs `pytest tests/faults` and renders the figures each test recorded).",
         "",
+        _source_line(source),
         f"- Suite run time: **{seconds:.0f} s**; pytest exit status {exit_code}; "
         + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())),
         f"- Python {env['python']}, CI={env['ci']}; shared Kafka `{env['kafka']}`, Redis "
@@ -290,11 +335,23 @@ def render(
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _source_line(source: dict[str, Any] | None) -> str:
+    """The header's provenance: the commit of the run and what was uncommitted then."""
+    if not source:
+        return "- Source: **unknown** (no commit recorded)"
+    line = f"- Source: commit `{source['commit']}`"
+    if not source["dirty"]:
+        return line + ", clean checkout (no uncommitted changes)"
+    files = ", ".join(f"`{f}`" for f in source["uncommitted"])
+    return line + f", **dirty**: uncommitted changes in {files}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the suite, write REPORT.md and REPORT.json, return pytest's exit status."""
     pytest_args = list(sys.argv[1:] if argv is None else argv)
     # One seed for the whole run, recorded in the report (reproduces its random inputs).
     os.environ.setdefault(SEED_ENV, str(random.SystemRandom().randrange(2**32)))
+    source = provenance()  # before the run: what the tests ran from
     with tempfile.TemporaryDirectory(prefix="spendgate-faults-") as tmp:
         results_dir = Path(tmp) / "results"
         results_dir.mkdir()
@@ -318,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             "pytest_args": pytest_args,
             "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%SZ"),
             "env": environment(),
+            "source": source,
         }
     INPUTS.write_text(json.dumps(inputs, indent=1, sort_keys=True, default=str) + "\n")
     REPORT.write_text(render_inputs(json.loads(INPUTS.read_text())))
@@ -335,6 +393,7 @@ def render_inputs(inputs: dict[str, Any]) -> str:
         pytest_args=inputs["pytest_args"],
         generated=inputs["generated"],
         env=inputs["env"],
+        source=inputs.get("source"),
     )
 
 
