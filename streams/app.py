@@ -347,6 +347,10 @@ def build_app(
         claim["due"] = True
         wake.set()
 
+    @app.on_before_shutdown.connect
+    async def close_offsets(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        await offsets.close()
+
     @app.on_partitions_revoked.connect
     def note_revoked(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
         for tp in args[0] if args else ():

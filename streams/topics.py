@@ -77,13 +77,14 @@ class UsageTopicConfig:
     timestamp_type: str
 
 
-async def describe_usage(settings: WorkerSettings) -> UsageTopicConfig:
-    """Read ``usage``'s retention and timestamp type from the broker."""
+async def describe_usage(settings: WorkerSettings, topic: str | None = None) -> UsageTopicConfig:
+    """Read ``usage``'s (or ``topic``'s) retention and timestamp type from the broker."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
     await admin.start()
     try:
         wanted = {"retention.ms": None, "message.timestamp.type": None}
-        resource = ConfigResource(ConfigResourceType.TOPIC, settings.topic("usage"), wanted)
+        name = topic or settings.topic("usage")
+        resource = ConfigResource(ConfigResourceType.TOPIC, name, wanted)
         (response,) = await admin.describe_configs([resource])
         entries = {e[0]: e[1] for e in response.resources[0][4]}
     finally:

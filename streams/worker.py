@@ -36,6 +36,16 @@ def run_worker(settings: WorkerSettings) -> None:
     usage = asyncio.run(describe_usage(settings))
     longest = max((p.window_ms for p in policies.values()), default=0)
     check_usage(usage, settings, longest)
+    keyed = asyncio.run(describe_usage(settings, settings.keyed_topic))
+    if keyed.timestamp_type != "LogAppendTime":
+        # Created before the keyed marks read append times (streams.marks): still safe
+        # while the workers' clocks run no faster than Redis's plus the skew allowance.
+        logger.warning(
+            "topic %s stamps records with %s; set message.timestamp.type=LogAppendTime so "
+            "its marks use the broker's clock, not the workers'",
+            settings.keyed_topic,
+            keyed.timestamp_type,
+        )
     horizon = settings.horizon_ms(longest)
     if horizon < longest:
         logger.warning(
