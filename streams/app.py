@@ -117,11 +117,11 @@ def build_app(
     # partitions again and rewrites everything it owns from its table (streams.marks).
     marker = f"{settings.redis_prefix}worker:{uuid.uuid4().hex}"
     watermarks = Watermarks(settings.mark_clock_skew_ms)
-    #: What changed since the last claim: an assignment (claim every field again), the
-    #: fields revoked meanwhile (restored if they come back), a loss of Redis data.
+    #: What changed since the last claim: an assignment (claim every field again), a
+    #: loss of Redis data; and the fields and group generation of the last claim.
     claim = {"due": True, "lost": False}
     claimed: set[str] = set()
-    revoked_since: set[str] = set()
+    generation: dict[str, int | None] = {"last": None}
     wake = asyncio.Event()
     # Offsets asked of the broker directly: faust's own calls pass through its consumer
     # thread and take a second or more each.
@@ -208,12 +208,16 @@ def build_app(
         if claim["due"] or claim["lost"]:
             fields = sorted(tps)
             lost = claim["lost"]
-            moved = set(fields) if lost else (set(fields) - claimed) | (revoked_since & set(fields))
+            # A generation skipped (this worker left the group and came back) may have given
+            # any partition to another worker meanwhile: all of them count as moved.
+            gen = getattr(app, "consumer_generation_id", None)
+            skipped = gen is None or generation["last"] is None or gen != generation["last"] + 1
+            moved = set(fields) if lost or skipped else set(fields) - claimed
             claim["due"] = claim["lost"] = False
             watermarks.assign(await materializer.claim(fields, marker), moved)
             claimed.clear()
             claimed.update(fields)
-            revoked_since.clear()
+            generation["last"] = gen
             if lost:
                 published["version"] = -1
             logger.info(
@@ -240,11 +244,14 @@ def build_app(
         # The clock first, then the end offsets (streams.marks: the idle claim).
         now_ms, usage_marks = await materializer.sample(topology().all_usage_marks())
         watermarks.sample(now_ms, usage_marks)
-        if tps and not recovering:
-            # Before its recovery ends, faust has not sought to the committed offsets.
+        if tps:
             ends = await offsets.ends(tps.values())
-            positions = {field: position_of(tp) for field, tp in tps.items()}
-            unknown = [tps[f] for f, p in positions.items() if p is None]
+            # A partition new to this worker has no position until its table is recovered
+            # and faust has sought to its committed offset; one it kept has its committed
+            # offset all along, so its mark advances even while the others recover.
+            fresh = watermarks.restoring()
+            positions = {f: None if f in fresh else position_of(tp) for f, tp in tps.items()}
+            unknown = [tps[f] for f, p in positions.items() if p is None and f not in fresh]
             if unknown:
                 # Never committed: the group starts at the log start (auto_offset_reset).
                 starts = await offsets.starts(unknown)
@@ -351,11 +358,6 @@ def build_app(
     async def close_offsets(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
         await offsets.close()
 
-    @app.on_partitions_revoked.connect
-    def note_revoked(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
-        for tp in args[0] if args else ():
-            if (field := field_of(tp.topic, tp.partition)) is not None:
-                revoked_since.add(field)
 
     async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
         """Records of this partition the stream skipped before ``offset`` (read back)."""
