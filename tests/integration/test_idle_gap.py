@@ -1,9 +1,9 @@
 """A partition idle longer than the staleness bound, then one record: no spurious 503.
 
 The reproduction of issue 23, scaled down: with a 5 s bound, one usage partition gets
-nothing for 6 s, then one commit. Before the watermarks were defined, that partition's mark jumped back to
-the record before the gap while the worker applied the commit, and every key depending on
-it (a budget spanning tenants depends on every usage partition) answered ``503
+nothing for 6 s, then one commit. Before the watermarks were defined, that partition's mark
+jumped back to the record before the gap while the worker applied the commit, and every key
+depending on it (a budget spanning tenants depends on every usage partition) answered ``503
 state_unvouched`` for about 1.5 s, though the worker was alive and caught up. Here every
 admit, throughout, must be decided.
 """
@@ -11,18 +11,16 @@ admit, throughout, must be decided.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections import Counter
-from datetime import UTC, datetime
 
 import httpx
 import pytest
 
 from schemas.shards import partition_for
 from streams.settings import WorkerSettings
-from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.factories import CommitFactory, PolicyFactory
 from tests.fixtures.kafka_io import produce
 from tests.fixtures.pipeline import ApplyPolicies, Workers
 
@@ -54,18 +52,6 @@ def _tenants_on_each_partition(partitions: int) -> list[str]:
     return [found[p] for p in range(partitions)]
 
 
-def _commit(tenant: str) -> bytes:
-    return json.dumps(
-        {
-            "event_id": uuid.uuid4().hex,
-            "kind": "commit",
-            "subject": {"tenant": tenant, "model": "m1"},
-            "occurred_at": datetime.now(UTC).isoformat(),
-            "usage": {"input_tokens": 1},
-        }
-    ).encode()
-
-
 class TestIdleGap:
     async def test_one_record_after_an_idle_gap_leaves_every_admit_decided(
         self,
@@ -73,6 +59,7 @@ class TestIdleGap:
         worker_settings: WorkerSettings,
         apply_policies: ApplyPolicies,
         policy_factory: PolicyFactory,
+        commit_factory: CommitFactory,
         admission_client: httpx.AsyncClient,
     ) -> None:
         workers.start(env={"SPENDGATE_BATCH_LINGER_S": str(LINGER_S)})
@@ -106,7 +93,8 @@ class TestIdleGap:
                 await admit(busy)
                 await asyncio.sleep(0.05)
             # Then one record on the idle partition, and admits of both for 2 s.
-            await produce(worker_settings.kafka_bootstrap, topic, [(idle.encode(), _commit(idle))])
+            record = commit_factory(tenant=idle, input_tokens=1).model_dump_json().encode()
+            await produce(worker_settings.kafka_bootstrap, topic, [(idle.encode(), record)])
             after = time.monotonic() + 2.0
             while time.monotonic() < after:
                 await admit(busy)
