@@ -120,6 +120,14 @@ def mark_owners_key(prefix: str) -> str:
     return f"{prefix}marks:owner"
 
 
+def mark_positions_key(prefix: str) -> str:
+    """Hash of each mark's position (same fields as :func:`marks_key`): the next offset to
+    apply; every record of the partition before it is applied in Redis. Written with the
+    mark, only ever raised; a partition's next owner starts from it rather than from the
+    group's committed offset, which lags by up to a commit interval."""
+    return f"{prefix}marks:position"
+
+
 def mark_progress_key(prefix: str) -> str:
     """Hash of each mark's progress as its owner last saw it (same fields as
     :func:`marks_key`): ``"<records behind>:<Redis ms when measured>"``, written with the

@@ -119,8 +119,9 @@ def build_app(
     watermarks = Watermarks(settings.mark_clock_skew_ms)
     #: What changed since the last claim: an assignment (claim every field again), a
     #: loss of Redis data; and the fields and group generation of the last claim.
-    claim = {"due": True, "lost": False}
+    claim = {"due": True, "lost": False, "asked": 0}
     claimed: set[str] = set()
+    last_tps: dict[str, Any] = {}
     generation: dict[str, int | None] = {"last": None}
     wake = asyncio.Event()
     # Offsets asked of the broker directly: faust's own calls pass through its consumer
@@ -178,11 +179,13 @@ def build_app(
                 out[field] = tp
         return out
 
-    def position_of(tp: Any) -> int | None:
-        """The next offset to apply: handled here, or committed by whoever owned it."""
+    def position_of(field: str, tp: Any) -> int | None:
+        """The next offset to apply: the greatest of what this worker handled, what the
+        group committed and what the last owner wrote with its mark (all of it is in
+        Redis)."""
         mine = handled.get((tp.topic, tp.partition))
         committed = getattr(app.consumer, "_committed_offset", {}).get(tp)
-        known = [p for p in (mine, committed) if p is not None]
+        known = [p for p in (mine, committed, watermarks.position(field)) if p is not None]
         return max(known) if known else None
 
     @app.task  # type: ignore[untyped-decorator]
@@ -205,6 +208,9 @@ def build_app(
         recovery = getattr(app.tables, "recovery", None)
         recovering = recovery is not None and recovery.in_recovery
         tps = owned()
+        if tps:
+            last_tps.clear()
+            last_tps.update(tps)
         if claim["due"] or claim["lost"]:
             fields = sorted(tps)
             lost = claim["lost"]
@@ -213,8 +219,11 @@ def build_app(
             gen = getattr(app, "consumer_generation_id", None)
             skipped = gen is None or generation["last"] is None or gen != generation["last"] + 1
             moved = set(fields) if lost or skipped else set(fields) - claimed
-            claim["due"] = claim["lost"] = False
-            watermarks.assign(await materializer.claim(fields, marker), moved)
+            asked = claim["asked"]
+            claims = await materializer.claim(fields, marker)
+            # Asked again meanwhile (another assignment, another loss): claimed again next.
+            claim["due"], claim["lost"] = claim["asked"] != asked, claim["lost"] and not lost
+            watermarks.assign(claims, moved)
             claimed.clear()
             claimed.update(fields)
             generation["last"] = gen
@@ -244,13 +253,18 @@ def build_app(
         # The clock first, then the end offsets (streams.marks: the idle claim).
         now_ms, usage_marks = await materializer.sample(topology().all_usage_marks())
         watermarks.sample(now_ms, usage_marks)
-        if tps:
+        # Mid-rebalance the consumer owns nothing for a moment: the partitions of the last
+        # claim keep their marks moving until the next claim (a newer owner's token fences
+        # them; what they claim is true whoever owns the partition).
+        idle_tps = {f: tp for f, tp in (tps or last_tps).items() if f in watermarks.owned()}
+        if idle_tps:
+            tps = idle_tps
             ends = await offsets.ends(tps.values())
             # A partition new to this worker has no position until its table is recovered
             # and faust has sought to its committed offset; one it kept has its committed
             # offset all along, so its mark advances even while the others recover.
             fresh = watermarks.restoring()
-            positions = {f: None if f in fresh else position_of(tp) for f, tp in tps.items()}
+            positions = {f: None if f in fresh else position_of(f, tp) for f, tp in tps.items()}
             unknown = [tps[f] for f, p in positions.items() if p is None and f not in fresh]
             if unknown:
                 # Never committed: the group starts at the log start (auto_offset_reset).
@@ -264,9 +278,10 @@ def build_app(
                     continue
                 w = watermarks.idle(field, now_ms, end, position)
                 behind = None if position is None else max(0, end - position)
-                writes.append(MarkWrite(field, tokens[field], w, behind))
+                writes.append(MarkWrite(field, tokens[field], w, behind, position))
             noted(await materializer.write_marks(writes, marker))
-        health.update(watermarks.health(), assigned=bool(tps))
+        staleness_ms = int(settings.staleness_s * 1000)
+        health.update(watermarks.health(now_ms, staleness_ms), assigned=bool(owned()))
 
     def noted(reply: MarkReply | None) -> None:
         """Act on what the mark script said: a loss of Redis data, fenced writes."""
@@ -275,6 +290,7 @@ def build_app(
         if not reply.present:
             logger.warning("Redis lost this worker's presence mark: claiming and restoring")
             claim["lost"] = True
+            claim["asked"] += 1
             wake.set()
         if reply.fenced:
             metrics.MARKS_FENCED.inc(reply.fenced)
@@ -297,7 +313,7 @@ def build_app(
 
     def advance(lasts: Iterable[tuple[str, int, int, int]]) -> list[MarkWrite]:
         """The marks a batch advances: (topic, partition, last offset, its broker ms)."""
-        tokens = watermarks.owned()
+        tokens, restoring = watermarks.owned(), watermarks.restoring()
         out = []
         for topic, partition, offset, broker_ms in lasts:
             handled[(topic, partition)] = offset + 1
@@ -305,8 +321,10 @@ def build_app(
             if field is None or field not in tokens:
                 continue
             w = watermarks.applied(field, offset + 1, broker_ms)
-            if w is not None:
-                out.append(MarkWrite(field, tokens[field], w))
+            # Until its windows are restored, what this worker applied may not all be in
+            # Redis (a record in the table the last owner never wrote there).
+            position = None if field in restoring else offset + 1
+            out.append(MarkWrite(field, tokens[field], w, position=position))
         return out
 
     drift = DriftCycle()
@@ -347,17 +365,17 @@ def build_app(
         # After a rebalance each partition starts again from the group's committed offset.
         split_positions.forget()
         account_positions.forget()
-        handled.clear()
         states.forget()
+        # ``handled`` stays: what this worker applied is in Redis whoever owns it now.
         # Every owned partition is claimed again (a new fencing token); those new to this
         # worker have their windows rewritten from the table first (streams.marks).
         claim["due"] = True
+        claim["asked"] += 1
         wake.set()
 
     @app.on_before_shutdown.connect
     async def close_offsets(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
         await offsets.close()
-
 
     async def skipped(positions: Positions, topic: str, partition: int, offset: int) -> list[Any]:
         """Records of this partition the stream skipped before ``offset`` (read back)."""

@@ -8,10 +8,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-#: vouched: this worker's mark of the partition is written and advancing;
+#: vouched: this worker's mark of the partition is written and within the staleness bound;
+#: stale: written, but older than the bound (admission refuses on it: the worker is behind);
 #: held: the mark is held back (after a loss of Redis data, until caught up);
 #: restoring: the partition's windows are being rewritten into Redis (after an assignment).
-PartitionState = Literal["vouched", "held", "restoring"]
+PartitionState = Literal["vouched", "stale", "held", "restoring"]
 
 
 @dataclass(frozen=True, slots=True)

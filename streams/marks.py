@@ -57,11 +57,13 @@ _SAMPLES = 1024
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """One partition's assignment as Redis answered it: the owner's fencing token and the
-    mark Redis held at that instant (None: missing)."""
+    """One partition's assignment as Redis answered it: the owner's fencing token, the
+    mark Redis held at that instant (None: missing) and the position written with it (every
+    record before it is applied in Redis; None: unknown)."""
 
     token: int
     mark_ms: int | None
+    position: int | None = None
 
 
 @dataclass(slots=True)
@@ -109,10 +111,14 @@ class Watermarks:
         self._owned = {}
         for field, claim in claims.items():
             before = previous.get(field)
-            floor = _max(claim.mark_ms, before.claimed if before and claim.mark_ms else None)
+            kept = before if before is not None and claim.mark_ms is not None else None
+            floor = _max(claim.mark_ms, kept.claimed if kept else None)
             owned = _Owned(claim.token, floor, restoring=field in moved)
             if claim.mark_ms is None:
                 owned.hold = _AFTER_USAGE if is_keyed(field) else _TAKE_END
+            else:
+                # What the last owner applied is in Redis: no need to apply it again first.
+                owned.position = _max(claim.position, kept.position if kept else None)
             self._owned[field] = owned
 
     def restored(self, fields: Iterable[str]) -> None:
@@ -124,6 +130,11 @@ class Watermarks:
     def owned(self) -> dict[str, int]:
         """Every owned field -> its fencing token."""
         return {field: o.token for field, o in self._owned.items()}
+
+    def position(self, field: str) -> int | None:
+        """The next offset to apply of ``field`` as known here (None: unknown)."""
+        owned = self._owned.get(field)
+        return None if owned is None else owned.position
 
     def restoring(self) -> set[str]:
         """The owned fields whose windows are still to be rewritten."""
@@ -193,8 +204,9 @@ class Watermarks:
 
     # -- what it shows ------------------------------------------------------------------
 
-    def health(self) -> list[PartitionHealth]:
-        """Every owned partition for the readiness endpoint."""
+    def health(self, now_ms: int, staleness_ms: int) -> list[PartitionHealth]:
+        """Every owned partition for the readiness endpoint, at ``now_ms`` (Redis clock)
+        with admission's staleness bound."""
         out = []
         for field, o in sorted(self._owned.items()):
             state: PartitionState = "vouched"
@@ -202,6 +214,8 @@ class Watermarks:
                 state = "restoring"
             elif o.hold is not None or o.claimed is None:
                 state = "held"
+            elif now_ms - o.claimed > staleness_ms:
+                state = "stale"
             out.append(PartitionHealth(field, state, o.claimed, o.behind))
         return out
 

@@ -12,6 +12,7 @@ from schemas import window_codec, windows
 from schemas.policies import Policy
 from schemas.redis_keys import (
     mark_owners_key,
+    mark_positions_key,
     mark_progress_key,
     marks_key,
     overage_key,
@@ -126,16 +127,19 @@ return 1
 #
 # KEYS[1] the marks' owners (hash: mark field -> fencing token)
 # KEYS[2] the marks (hash: mark field -> watermark ms)
-# KEYS[3] this worker's presence mark (set here; gone later: Redis lost its data)
+# KEYS[3] the marks' positions (hash: mark field -> next offset to apply, see MARK)
+# KEYS[4] this worker's presence mark (set here; gone later: Redis lost its data)
 # ARGV    the mark fields claimed
-# Returns, per field, its new token (greater than every earlier owner's) and the mark Redis
-# holds ("" when missing): the new owner never claims below it.
+# Returns, per field, its new token (greater than every earlier owner's), the mark Redis
+# holds and the position written with it ("" when missing): the new owner never claims
+# below the mark, and need not apply again what the last owner applied.
 CLAIM = r"""
-redis.call('SET', KEYS[3], '1')
+redis.call('SET', KEYS[4], '1')
 local out = {}
 for i = 1, #ARGV do
   out[#out + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], 1)
   out[#out + 1] = redis.call('HGET', KEYS[2], ARGV[i]) or ''
+  out[#out + 1] = redis.call('HGET', KEYS[3], ARGV[i]) or ''
 end
 return out
 """
@@ -157,19 +161,22 @@ return out
 # KEYS[1] the marks (hash: mark field -> watermark ms)
 # KEYS[2] the marks' owners (hash: mark field -> fencing token, see CLAIM)
 # KEYS[3] the marks' progress (hash: mark field -> "<records behind>:<Redis ms>")
-# KEYS[4] this worker's presence mark (gone: Redis lost its data; restore, claim again)
-# ARGV    quadruples: mark field, token, watermark ms ("" to leave it), records behind
-#         ("" for unknown)
+# KEYS[4] the marks' positions (hash: mark field -> next offset to apply: every record of
+#         the partition before it is applied in Redis; only ever raised)
+# KEYS[5] this worker's presence mark (gone: Redis lost its data; restore, claim again)
+# ARGV    quintuples: mark field, token, watermark ms ("" to leave it), records behind
+#         ("" for unknown), position ("" for unknown)
 # Returns {1 or 0 (presence gone: nothing written), marks written, writes fenced}. A write
 # is fenced when its token is below the owner's in Redis; a watermark not above the one
 # held under the same token is left as it is.
 MARK = r"""
-if redis.call('EXISTS', KEYS[4]) == 0 then return {0, 0, 0} end
+if redis.call('EXISTS', KEYS[5]) == 0 then return {0, 0, 0} end
 local t = redis.call('TIME')
 local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 local written, fenced = 0, 0
-for i = 1, #ARGV, 4 do
+for i = 1, #ARGV, 5 do
   local field, token, w, behind = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
+  local position = ARGV[i + 4]
   local owner = tonumber(redis.call('HGET', KEYS[2], field) or '-1')
   if token < owner then
     fenced = fenced + 1
@@ -183,6 +190,10 @@ for i = 1, #ARGV, 4 do
       end
     end
     if behind ~= '' then redis.call('HSET', KEYS[3], field, behind .. ':' .. now) end
+    if position ~= '' then
+      local was = tonumber(redis.call('HGET', KEYS[4], field) or '-1')
+      if tonumber(position) > was then redis.call('HSET', KEYS[4], field, position) end
+    end
   end
 end
 return {1, written, fenced}
@@ -198,6 +209,8 @@ class MarkWrite:
     token: int
     watermark_ms: int | None
     behind: int | None = None
+    #: The next offset to apply (every record before it is applied in Redis).
+    position: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,19 +404,26 @@ class RedisMaterializer:
 
     def _mark_keys(self, presence: str) -> list[str]:
         p = self.prefix
-        return [marks_key(p), mark_owners_key(p), mark_progress_key(p), presence]
+        return [
+            marks_key(p),
+            mark_owners_key(p),
+            mark_progress_key(p),
+            mark_positions_key(p),
+            presence,
+        ]
 
     async def claim(self, fields: Sequence[str], presence: str) -> dict[str, Claim]:
         """Claim ``fields`` for this worker (:data:`CLAIM`): a fencing token each, and the
         mark Redis holds now; sets ``presence``."""
-        keys = [mark_owners_key(self.prefix), marks_key(self.prefix), presence]
+        p = self.prefix
+        keys = [mark_owners_key(p), marks_key(p), mark_positions_key(p), presence]
         reply = await self._claim(keys=keys, args=list(fields)) if fields else []
         if not fields:
             await self.client.set(presence, b"1")
         out: dict[str, Claim] = {}
         for i, field in enumerate(fields):
-            token, mark = reply[2 * i], reply[2 * i + 1]
-            out[field] = Claim(int(token), int(mark) if mark not in (b"", "") else None)
+            token, mark, position = reply[3 * i : 3 * i + 3]
+            out[field] = Claim(int(token), _int_or_none(mark), _int_or_none(position))
         return out
 
     async def sample(self, usage_fields: Sequence[str]) -> tuple[int, list[int | None]]:
@@ -411,7 +431,7 @@ class RedisMaterializer:
         if not usage_fields:
             return await self.now_ms(), []
         reply = await self._sample(keys=[marks_key(self.prefix)], args=list(usage_fields))
-        marks = [int(m) if m not in (b"", "") else None for m in reply[1:]]
+        marks = [_int_or_none(m) for m in reply[1:]]
         return int(reply[0]), marks
 
     async def now_ms(self) -> int:
@@ -432,8 +452,16 @@ def _mark_args(marks: Iterable[MarkWrite]) -> list[str | int]:
     args: list[str | int] = []
     for m in marks:
         w = "" if m.watermark_ms is None else m.watermark_ms
-        args += [m.field, m.token, w, "" if m.behind is None else m.behind]
+        args += [m.field, m.token, w, _arg(m.behind), _arg(m.position)]
     return args
+
+
+def _arg(value: int | None) -> int | str:
+    return "" if value is None else value
+
+
+def _int_or_none(raw: bytes | str) -> int | None:
+    return None if raw in (b"", "") else int(raw)
 
 
 def _mark_reply(reply: Sequence[int]) -> MarkReply:

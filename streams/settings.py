@@ -61,6 +61,9 @@ class WorkerSettings(BaseSettings):
     #: watermark is the Redis clock minus this (streams.marks). 0 on one host; the NTP
     #: bound between the broker's and Redis's hosts otherwise.
     mark_clock_skew_ms: int = Field(100, ge=0, le=60_000)
+    #: Admission's staleness bound (the same setting): the worker's ``/readyz`` reports a
+    #: partition whose mark is older than this as ``stale``.
+    staleness_s: float = Field(30.0, gt=0)
     #: How far in the future ``occurred_at`` may lie before it is clamped.
     max_future_skew_ms: int = Field(300_000, ge=0)
 

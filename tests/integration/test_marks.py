@@ -178,6 +178,19 @@ class TestFencing:
         assert reply.fenced == 1
         assert redis_sync.hget(mark_progress_key(key_prefix), "keyed:1").startswith(b"7:")
 
+    async def test_the_position_is_only_raised_and_handed_to_the_next_owner(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        m = RedisMaterializer(redis_client, key_prefix)
+        a, b = f"{key_prefix}worker:a", f"{key_prefix}worker:b"
+        await m.claim(["usage:0"], a)
+        await m.write_marks([MarkWrite("usage:0", 1, 1_000, position=40)], a)
+        await m.write_marks([MarkWrite("usage:0", 1, 1_001, position=30)], a)
+        assert (await m.claim(["usage:0"], b))["usage:0"] == Claim(2, 1_001, 40)
+        # The old owner, fenced, moves no position either.
+        await m.write_marks([MarkWrite("usage:0", 1, None, position=99)], a)
+        assert (await m.claim(["usage:0"], b))["usage:0"] == Claim(3, 1_001, 40)
+
     async def test_nothing_is_written_once_the_presence_mark_is_gone(
         self, redis_client: aioredis.Redis, redis_sync: redis.Redis, key_prefix: str
     ) -> None:

@@ -210,7 +210,8 @@ class TestHandover:
         assert wm.idle(F, 2_000, 8, 5) is None  # end taken: 8
         assert wm.applied(F, 7, 1_500) is None
         assert wm.applied(F, 8, 1_600) == 1_599
-        assert [h.state for h in wm.health()] == ["vouched"]
+        assert [h.state for h in wm.health(1_600, 30_000)] == ["vouched"]
+        assert [h.state for h in wm.health(40_000, 30_000)] == ["stale"]
 
 
 class TestKeyed:
@@ -244,3 +245,20 @@ class TestKeyed:
         assert wm.idle(K, 11_000, 25, 20) is None  # the end now (25) must be reached
         wm.sample(12_000, [11_500, 11_400])
         assert wm.idle(K, 12_000, 25, 25) == 11_400
+
+
+class TestPositionHandover:
+    def test_a_new_owner_starts_from_the_position_written_with_the_mark(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(2, 5_000, position=40)}, moved=[F])
+        wm.restored([F])
+        # The committed offset (30) lags what the old owner applied (40): caught up anyway.
+        assert wm.idle(F, 9_000, 40, 30) == 8_999
+        assert wm.position(F) == 40
+
+    def test_a_missing_mark_discards_the_position(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(2, None, position=40)}, moved=[F])
+        wm.restored([F])
+        assert wm.position(F) is None
+        assert wm.idle(F, 9_000, 40, 30) is None  # held: the end (40) is not reached
