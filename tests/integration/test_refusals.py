@@ -6,11 +6,13 @@ import asyncio
 import subprocess
 import time
 import uuid
+from collections import Counter
 from datetime import UTC, datetime
 
 import httpx
 import pytest
 import redis
+from aiokafka import AIOKafkaProducer, ConsumerRecord
 
 from admission.refusals import KafkaRefusals
 from schemas.events import Subject, Usage
@@ -31,6 +33,61 @@ from tests.fixtures.kafka_io import (
 from tests.fixtures.pipeline import ApplyPolicies
 
 pytestmark = pytest.mark.integration
+
+#: More than any refusal of these tests takes in a record batch (JSON and framing).
+RECORD_MAX = 600
+
+
+class SpiedRefusals(KafkaRefusals):
+    """The product's sink, its producer's sends recorded as they are made: every
+    ``send`` (one record each), every ``send_batch`` (partition, records in the batch),
+    and every pass of the background task over the queue; ``full`` says whether a sent
+    batch had no room left for one more refusal."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.sends: list[str] = []
+        self.batches: list[tuple[int, int]] = []
+        self.full: list[bool] = []
+        self.passes = 0
+
+    async def _start(self) -> AIOKafkaProducer:
+        producer = await super()._start()
+        send, send_batch = producer.send, producer.send_batch
+        room = int(getattr(producer, "_max_batch_size", 16_384))
+
+        async def spied_send(topic: str, *args: object, **kwargs: object) -> object:
+            self.sends.append(topic)
+            return await send(topic, *args, **kwargs)  # type: ignore[arg-type]
+
+        async def spied_send_batch(batch: object, topic: str, *, partition: int) -> object:
+            self.batches.append((partition, batch.record_count()))  # type: ignore[attr-defined]
+            self.full.append(batch.size() + RECORD_MAX > room)  # type: ignore[attr-defined]
+            return await send_batch(batch, topic, partition=partition)
+
+        producer.send = spied_send  # type: ignore[method-assign]
+        producer.send_batch = spied_send_batch  # type: ignore[method-assign]
+        return producer
+
+    async def _send_queued(self, *args: object) -> None:
+        self.passes += 1
+        await super()._send_queued(*args)  # type: ignore[arg-type]
+
+    def assert_batched(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        """No refusal sent on its own; per partition at most one batch a pass that was not
+        full (a batch is split only when full); the batches' record counts per partition
+        are what the topic holds."""
+        assert self.sends == [], f"{len(self.sends)} refusals sent one by one"
+        on_topic = Counter(r.partition for r in records)
+        batched: Counter[int] = Counter()
+        partial: Counter[int] = Counter()
+        for (partition, count), full in zip(self.batches, self.full, strict=True):
+            batched[partition] += count
+            partial[partition] += not full
+        assert batched == on_topic, (batched, on_topic)
+        assert all(n <= self.passes for n in partial.values()), (partial, self.passes)
+        full = sum(self.full)
+        assert len(self.batches) <= len(on_topic) * self.passes + full, self.batches
 
 
 class TestRefusalsTopic:
@@ -121,7 +178,7 @@ class TestRefusalBatches:
         sent = {
             f"q{n}": tenants[n % len(tenants)] for n in range(2_500)
         }  # ~60 records fill a 16 KiB batch: dozens of full batches
-        async with KafkaRefusals(worker_settings.kafka_bootstrap, topic, buffer=len(sent)) as sink:
+        async with SpiedRefusals(worker_settings.kafka_bootstrap, topic, buffer=len(sent)) as sink:
             for rid, tenant in sent.items():
                 assert sink.offer(
                     Refusal(
@@ -142,6 +199,43 @@ class TestRefusalBatches:
             partitions_of.setdefault(refusal.subject.tenant, set()).add(record.partition)
             assert record.key == refusal.subject.tenant.encode()
         assert all(len(p) == 1 for p in partitions_of.values()), partitions_of
+        # Batches, never one send per refusal; split only when full: dozens of records each.
+        sink.assert_batched(records)
+        assert sink.passes >= 3  # 1,000 a pass
+        assert len(sink.batches) < len(sent) // 10
+
+    async def test_refusals_go_out_as_one_record_batch_per_partition_not_a_send_each(
+        self, worker_settings: WorkerSettings
+    ) -> None:
+        """The batching itself: 200 refusals across 7 tenants, none sent on its own; per
+        partition at most one batch a pass of the background task that is not full (a
+        batch is split only when full), and the batches' record counts are what the topic
+        holds, partition by partition."""
+        await ensure_topics(worker_settings)
+        topic = worker_settings.topic("refusals")
+        tenants = [f"t{n}" for n in range(7)]
+        at = datetime.now(UTC)
+        n = 200
+        async with SpiedRefusals(worker_settings.kafka_bootstrap, topic, buffer=n) as sink:
+            for i in range(n):
+                assert sink.offer(
+                    Refusal(
+                        request_id=f"b{i}",
+                        subject=Subject(tenant=tenants[i % len(tenants)]),
+                        estimate=Usage(input_tokens=5),
+                        violated=["p"],
+                        at=at,
+                    )
+                )
+            assert await sink.flush(20.0)
+        records = await read_records(worker_settings.kafka_bootstrap, topic)
+        assert len(records) == n
+        assert sorted(r.key or b"" for r in records) == sorted(
+            t.encode() for i in range(n) for t in [tenants[i % len(tenants)]]
+        )
+        assert 1 <= sink.passes <= 2, sink.passes  # offered at once: one pass, or two
+        sink.assert_batched(records)
+        assert sum(count for _, count in sink.batches) == n
 
 
 class TestRefusalGaps:
