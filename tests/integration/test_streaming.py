@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from admission.client import AsyncAdmissionClient
-from schemas.alerts import alert_id
 from schemas.events import Usage
 from schemas.redis_keys import window_key
 from streams.replay import replay
 from streams.settings import WorkerSettings
 from tests.fixtures.admission import free_port
+from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, pending_sum, read_alerts, window_sum
 from tests.fixtures.pipeline import ApplyPolicies, Workers
@@ -164,7 +164,6 @@ class TestOverage:
         assert (alert.policy, alert.key, alert.reservation_id) == (policy.id, key, rid)
         assert (alert.estimate, alert.reserved, alert.actual) == (100, 100, 250)
         assert alert.at >= before.replace(microsecond=0)
-        assert alert.alert_id == alert_id(policy.id, key, "overage", None, 0, rid)
         async with httpx.AsyncClient(timeout=5) as http:
             text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
         assert f'spendgate_overage_total{{policy="{policy.id}"}} 1.0' in text
@@ -176,3 +175,22 @@ class TestOverage:
         (budget,) = nxt.json()["budgets"]
         assert budget["used"] == 250
         assert 248 <= budget["reserved"] <= 250
+        # Once the worker has read everything (the reserve of the admit above too), the
+        # topic still holds exactly one overage alert, and it is the one a replay of the
+        # usage topic derives (same id, same content), not only one the product's id
+        # function would give.
+        await wait_consumed(
+            worker_settings.kafka_bootstrap, worker_settings.app_id, worker_settings.topic("usage")
+        )
+        again = await read_alerts(
+            worker_settings.kafka_bootstrap,
+            worker_settings.topic("alerts"),
+            at_least=2,
+            kind="overage",
+            timeout_s=3.0,  # long enough for a second copy in flight to land
+        )
+        assert [a.alert_id for a in again] == [alert.alert_id]
+        summary = await replay(worker_settings, verify=True)
+        (replayed,) = [a for a in summary.alerts if a.kind == "overage"]
+        assert replayed.alert_id == alert.alert_id
+        assert replayed == alert
