@@ -26,6 +26,9 @@ class WorkerSettings(BaseSettings):
     partitions: int = Field(4, ge=1, le=256)
     data_dir: Path = Path.home() / ".local" / "state" / "spendgate" / "tables"
     metrics_port: int = Field(9464, ge=0, le=65535)
+    #: Where ``/metrics``, ``/healthz`` and ``/readyz`` listen: loopback unless an
+    #: orchestrator's probes or a scraper must reach them (they carry no secrets).
+    metrics_host: str = "127.0.0.1"
     #: How soon a worker that died without leaving its group is noticed (Kafka session
     #: timeout); its partitions move to the others after this.
     session_timeout_s: float = Field(15.0, ge=6.0, le=300.0)

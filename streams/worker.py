@@ -56,9 +56,11 @@ def run_worker(settings: WorkerSettings) -> None:
         )
     health = WorkerHealth()
     if settings.metrics_port:
-        HealthServer(health, settings.metrics_port).start()
+        HealthServer(health, settings.metrics_port, settings.metrics_host).start()
         logger.info(
-            "metrics on http://127.0.0.1:%s/metrics (and /healthz, /readyz)", settings.metrics_port
+            "metrics on http://%s:%s/metrics (and /healthz, /readyz)",
+            settings.metrics_host,
+            settings.metrics_port,
         )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = build_app(settings, policies, usage.retention_ms, health=health)
