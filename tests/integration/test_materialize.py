@@ -26,6 +26,7 @@ from streams.materialize import RedisMaterializer
 from streams.settings import WorkerSettings
 from tests.fixtures.admission import MakeAdmission
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.monitor import Call, monitored
 from tests.fixtures.pipeline import ApplyPolicies
 
 pytestmark = pytest.mark.integration
@@ -41,6 +42,52 @@ def _held(client: redis.Redis, prefix: str, key: str) -> tuple[int, int]:
     return used, sum(int(v) for v in pending)
 
 
+#: Commands that only read; any other command on a window or pending key writes it.
+_READS = {b"GET", b"MGET", b"HGET", b"HMGET", b"HGETALL", b"HVALS", b"HLEN", b"EXISTS"}
+_READS |= {b"PTTL", b"TTL", b"TYPE", b"STRLEN", b"HKEYS", b"HEXISTS", b"SCAN"}
+
+
+def _steps(calls: list[Call], prefix: str, key: str) -> list[tuple[int, int, int, int]]:
+    """Per command that changed ``key``'s window or pending entries, as Redis ran them
+    (``MONITOR``): (window change, pending change, reservations added to the pending
+    entries, reservations taken out). Fails if any such change was made outside a script
+    (a step of its own)."""
+    w, pw, pr = (
+        window_key(prefix, key).encode(),
+        pending_window_key(prefix, key).encode(),
+        pending_reservations_key(prefix, key).encode(),
+    )
+    ours = {w, pw, pr}
+    window_total, pending = 0, {}  # the window's sum; the pending window's fields
+    steps = []
+    for call in calls:
+        if call.name not in _READS and any(a in ours for a in call.args[1:2]):
+            raise AssertionError(f"written outside a script: {call.args[:3]!r}")
+        window_change = pending_change = added = removed = 0
+        for cmd in call.inner:
+            name, target = cmd[0].upper(), cmd[1] if len(cmd) > 1 else b""
+            if name in _READS or target not in ours:
+                continue
+            if target == w and name == b"SET":
+                after = sum(window_codec.decode(cmd[2]).buckets.values())
+                window_change += after - window_total
+                window_total = after
+            elif target == pw and name == b"HINCRBY":
+                pending[cmd[2]] = pending.get(cmd[2], 0) + int(cmd[3])
+                pending_change += int(cmd[3])
+            elif target == pw and name == b"HDEL":
+                pending_change -= sum(pending.pop(f, 0) for f in cmd[2:])
+            elif target == pr and name in (b"HSET", b"HSETNX"):
+                added += (len(cmd) - 2) // 2
+            elif target == pr and name == b"HDEL":
+                removed += len(cmd) - 2
+            elif name not in (b"PEXPIRE", b"EXPIRE", b"PEXPIREAT"):
+                raise AssertionError(f"unexpected write in a script: {cmd[:3]!r}")
+        if window_change or pending_change or added or removed:
+            steps.append((window_change, pending_change, added, removed))
+    return steps
+
+
 class TestAbsorption:
     async def test_absorbing_reservations_leaves_no_gap_and_no_double_count(
         self,
@@ -54,30 +101,41 @@ class TestAbsorption:
         policy = policy_factory(unit="input_tokens", limit=10**6)
         await apply_policies(policy)
         key, prefix = f"{policy.id}|tenant=gap", worker_settings.redis_prefix
-        answers = await asyncio.gather(
-            *(
-                admission_client.post(
-                    "/v1/admit",
-                    json={
-                        "request_id": uuid.uuid4().hex,
-                        "subject": {"tenant": "gap", "model": "m"},
-                        "estimate": {"input_tokens": 100},
-                    },
+        with monitored(redis_sync, prefix) as monitor:
+            answers = await asyncio.gather(
+                *(
+                    admission_client.post(
+                        "/v1/admit",
+                        json={
+                            "request_id": uuid.uuid4().hex,
+                            "subject": {"tenant": "gap", "model": "m"},
+                            "estimate": {"input_tokens": 100},
+                        },
+                    )
+                    for _ in range(50)
                 )
-                for _ in range(50)
             )
-        )
-        assert [a.status_code for a in answers] == [200] * 50
-        samples: list[tuple[int, int]] = []
-        for _ in range(3000):
-            samples.append(_held(redis_sync, prefix, key))
-            if samples[-1][1] == 0:
-                break
-            await asyncio.sleep(0.01)
+            assert [a.status_code for a in answers] == [200] * 50
+            samples: list[tuple[int, int]] = []
+            for _ in range(3000):
+                samples.append(_held(redis_sync, prefix, key))
+                if samples[-1][1] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            calls = monitor.stop()
         assert samples[-1] == (5000, 0), "the worker did not absorb every reservation"
         assert samples[0][1] > 0, "absorbed before the first sample: nothing was observed"
-        # At every instant the reservations are held exactly once: in pending or in the window.
-        assert {used + pending for used, pending in samples} == {5000}
+        # At every sampled instant the reservations are held exactly once: in pending or
+        # in the window. Sampling can miss a short gap; Redis's own record of every
+        # command cannot: each step that changed the window or the pending entries was one
+        # script call, and in each the window grew by exactly what left the pending
+        # entries (100 a reservation absorbed), so no instant lies between the two.
+        steps = _steps(calls, prefix, key)
+        assert sum(a for _, _, a, _ in steps) == 50 == sum(r for _, _, _, r in steps), steps
+        for window, pending, added, removed in steps:
+            assert window + pending == 100 * added, steps  # an admit adds 100 to pending
+            assert window == 100 * removed, steps  # an absorb moves 100 per reservation
+        assert sum(window for window, _, _, _ in steps) == 5000, steps
 
 
 class TestAbsorbScript:
