@@ -122,7 +122,8 @@ def build_app(
     claim = {"due": True, "lost": False, "asked": 0}
     claimed: set[str] = set()
     last_tps: dict[str, Any] = {}
-    generation: dict[str, int | None] = {"last": None}
+    #: The group generation of the last claim, and of the last table recovery completed.
+    generation: dict[str, int | None] = {"last": None, "recovered": None}
     wake = asyncio.Event()
     # Offsets asked of the broker directly: faust's own calls pass through its consumer
     # thread and take a second or more each.
@@ -196,17 +197,19 @@ def build_app(
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=0.5)
             wake.clear()
+            if not book.ready.is_set():
+                continue
             try:
-                # Bounded: a broker or Redis that does not answer leaves the marks to age.
-                await asyncio.wait_for(keep_redis_once(), timeout=10.0)
+                # Each step bounded: a broker or Redis that does not answer leaves the marks
+                # to age. A restore takes as long as the table is large, each trip bounded.
+                await asyncio.wait_for(claim_and_publish(), timeout=TRIP_TIMEOUT_S)
+                await restore_moved()
+                await asyncio.wait_for(advance_idle(), timeout=TRIP_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the loop must go on
                 logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
 
-    async def keep_redis_once() -> None:
-        if not book.ready.is_set():
-            return
-        recovery = getattr(app.tables, "recovery", None)
-        recovering = recovery is not None and recovery.in_recovery
+    async def claim_and_publish() -> None:
+        """Claim every owned partition after an assignment or a loss; publish policies."""
         tps = owned()
         if tps:
             last_tps.clear()
@@ -238,8 +241,12 @@ def build_app(
         if book.version != published["version"]:
             await materializer.write_policies(book.policies.values(), topology())
             published["version"] = book.version
+
+    async def restore_moved() -> None:
+        """Rewrite the windows of the partitions new to this worker, once faust has
+        recovered their table partitions for the generation they were claimed in."""
         todo = watermarks.restoring()
-        if todo and not recovering:
+        if todo and generation["recovered"] == generation["last"]:
             started = time.monotonic()
             n = await restore_partitions({int(f.partition(":")[2]) for f in todo})
             watermarks.restored(todo)
@@ -250,6 +257,10 @@ def build_app(
                 sorted(todo),
                 time.monotonic() - started,
             )
+
+    async def advance_idle() -> None:
+        """Sample the usage marks, and advance the marks of the caught-up partitions."""
+        tps = owned()
         # The clock first, then the end offsets (streams.marks: the idle claim).
         now_ms, usage_marks = await materializer.sample(topology().all_usage_marks())
         watermarks.sample(now_ms, usage_marks)
@@ -304,10 +315,10 @@ def build_app(
         for key, value in table_items(table, partitions):
             chunk.append((key, KeyState.from_bytes(value)))
             if len(chunk) >= RESTORE_KEYS_PER_TRIP:
-                await materializer.heal_many(chunk)
+                await asyncio.wait_for(materializer.heal_many(chunk), TRIP_TIMEOUT_S)
                 n, chunk = n + len(chunk), []
         if chunk:
-            await materializer.heal_many(chunk)
+            await asyncio.wait_for(materializer.heal_many(chunk), TRIP_TIMEOUT_S)
             n += len(chunk)
         return n
 
@@ -371,6 +382,13 @@ def build_app(
         # worker have their windows rewritten from the table first (streams.marks).
         claim["due"] = True
         claim["asked"] += 1
+        wake.set()
+
+    @app.on_rebalance_complete.connect
+    def note_recovered(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        # Sent once the tables are recovered for this generation (before the streams
+        # resume): the windows of moved partitions can be restored from them now.
+        generation["recovered"] = getattr(app, "consumer_generation_id", None)
         wake.set()
 
     @app.on_before_shutdown.connect
@@ -578,6 +596,8 @@ def build_app(
 
 #: Windows rewritten per round trip when partitions are restored.
 RESTORE_KEYS_PER_TRIP = 500
+#: The longest one step of keeping Redis may wait for Redis or the broker.
+TRIP_TIMEOUT_S = 10.0
 
 
 def table_items(table: Any, partitions: set[int]) -> Iterator[tuple[str, bytes]]:
