@@ -25,6 +25,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -212,8 +213,8 @@ class TestBrokerRestart:
                 await admit(http, "co"[i % 2], 100 + i, "down")
             metrics_down = (await http.get("/metrics")).text
             # What Redis lists as unpublished while Kafka is still down (reservation ids).
-            unpub_down = {m.decode() for m in client.zrange(unpublished_reserves_key(
-                settings.redis_prefix), 0, -1)}  # fmt: skip
+            listed = client.zrange(unpublished_reserves_key(settings.redis_prefix), 0, -1)
+            unpub_down = {m.decode() for m in cast("list[bytes]", listed)}
             fault_record.fault(f"40 admits (closed and open alternately) while Kafka was down; "
                                f"publish buffer {BUFFER} events")  # fmt: skip
             started = time.monotonic()

@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,7 +230,7 @@ async def _event_ids(bootstrap: str) -> Counter[str]:
     return Counter(parse_event(v).event_id for v, _pos in await _topic(bootstrap, f"{TOPICS}usage"))
 
 
-def _amounts(records: list[tuple[bytes, Position]]) -> dict[str, set[int | None]]:
+def _amounts(records: Sequence[tuple[bytes, object]]) -> dict[str, set[int | None]]:
     """event id -> every ``input_tokens`` its copies on the topic carry (read as JSON)."""
     out: dict[str, set[int | None]] = {}
     for raw, _pos in records:
@@ -342,7 +342,7 @@ class TestDurableSettlements:
         first_try = {r for r in accepted if tally.answers[r] == [202]}
         kind = {r: "release" if r in release else "commit" for r in rids}
         wanted = {f"{kind[r]}-{r}" for r in accepted}
-        records: list[tuple[bytes, int]] = []
+        records: list[tuple[bytes, Position]] = []
         try:
             await _until("every accepted settlement on the topic",
                          lambda: _has(stack.bootstrap, wanted), 120)  # fmt: skip
@@ -389,7 +389,7 @@ class TestDurableSettlements:
         # kill may have reached the log too: same event id).
         assert set(on_topic) == want | wanted
         # Every copy carries what the test sent for that event: a copy is the same event.
-        sent = {f"reserve-{r}": {ESTIMATE} for r in rids}
+        sent: dict[str, set[int | None]] = {f"reserve-{r}": {ESTIMATE} for r in rids}
         sent |= {f"{kind[r]}-{r}": {None} if r in release else {actual[r]} for r in rids}
         assert _amounts(records) == sent
         assert all(on_topic[f"{kind[r]}-{r}"] == 1 for r in first_try)
@@ -470,7 +470,7 @@ class TestDurableSettlements:
         accepted = {r for r, v in final.items() if v == "202"}
         wanted = {f"reserve-{r}" for r in admitted}
         wanted |= {f"{'commit' if admitted[r] else 'release'}-{r}" for r in accepted}
-        records: list[tuple[bytes, int]] = []
+        records: list[tuple[bytes, Position]] = []
         try:
             await _until("every accepted event on the topic",
                          lambda: _has(stack.bootstrap, wanted), 180)  # fmt: skip
@@ -505,7 +505,7 @@ class TestDurableSettlements:
         # than once; the fold drops exactly those copies and applies each event once.
         assert set(on_topic) == wanted
         # Every copy carries what the test sent for that event: a copy is the same event.
-        sent = {f"reserve-{r}": {ESTIMATE} for r in admitted}
+        sent: dict[str, set[int | None]] = {f"reserve-{r}": {ESTIMATE} for r in admitted}
         sent |= {f"{'commit' if a else 'release'}-{r}": {a or None} for r, a in admitted.items()}
         assert _amounts(records) == sent
         assert all(e.startswith("reserve-") or len(tally.answers[e.split("-", 1)[1]]) > 1
