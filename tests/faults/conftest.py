@@ -170,12 +170,20 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for raw in client.scan_iter(match=f"{prefix}*", count=1000):
         kind = client.type(raw)
+        name = raw.decode()
         if kind == b"string":
-            out[raw.decode()] = client.get(raw)
+            out[name] = client.get(raw)
         elif kind == b"hash":
-            out[raw.decode()] = client.hgetall(raw)
+            out[name] = client.hgetall(raw)
+        elif kind == b"zset":
+            out[name] = ("zset", client.zrange(raw, 0, -1, withscores=True))
+        elif kind == b"set":
+            out[name] = ("set", sorted(client.smembers(raw)))
+        elif kind == b"list":
+            out[name] = ("list", client.lrange(raw, 0, -1))
         else:
-            out[raw.decode()] = kind
+            # Any other type by its serialized value (streams, modules' types).
+            out[name] = (kind, client.dump(raw))
     return out
 
 
