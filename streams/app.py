@@ -443,6 +443,9 @@ def build_app(
                     table[w.key] = w.table_value()
         # The same step as the table write (no await between): as new as the table.
         states.put((w.key, w.state) for w in result.writes if w.changed)
+        # Ahead of Redis until this batch's pipeline ran (other partitions of the batch
+        # may await first): not drift.
+        writing.update(w.key for w in result.writes)
 
     async def publish(results: list[FoldResult], lasts: list[tuple[str, int, int, int]]) -> None:
         """Write a batch's windows to Redis (one pipeline), then send what follows from
@@ -451,9 +454,8 @@ def build_app(
         the batch sent keyed batches (a usage mark covers them once they are on the
         keyed topic)."""
         due = [w for result in results for w in result.writes if w.redis_due]
-        keys = {w.key for w in due}
+        keys = {w.key for result in results for w in result.writes}
         later = any(result.remote for result in results)
-        writing.update(keys)
         try:
             noted(await materializer.write_batch(due, [] if later else advance(lasts), marker))
         finally:
@@ -573,6 +575,7 @@ def build_app(
             await batch
         except BaseException:
             states.forget()
+            writing.clear()
             raise
 
     @app.agent(usage, concurrency=1)
