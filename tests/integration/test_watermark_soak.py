@@ -52,7 +52,6 @@ from streams.policy_admin import publish_policies
 from streams.settings import WorkerSettings
 from tests.fixtures.pipeline import Workers
 from tests.fixtures.seeds import RUN_SEED
-from tests.fixtures.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak, pytest.mark.timeout(330)]
 
@@ -134,19 +133,10 @@ def _free_port(low: int, high: int) -> int:
 
 
 @pytest.fixture
-def soak_settings(
-    services: Services, topic_prefix: str, key_prefix: str, tmp_path: Path
-) -> WorkerSettings:
-    return WorkerSettings(
-        kafka_bootstrap=services.kafka_bootstrap,
-        redis_url=services.redis_url,
-        topic_prefix=topic_prefix,
-        redis_prefix=key_prefix,
-        app_id=f"{topic_prefix}app",
-        data_dir=tmp_path / "tables",
-        metrics_port=0,
-        partitions=PARTITIONS,
-        session_timeout_s=SESSION_TIMEOUT_S,
+def soak_settings(worker_settings: WorkerSettings) -> WorkerSettings:
+    """The test's worker settings with the soak's partitions and session timeout."""
+    return worker_settings.model_copy(
+        update={"partitions": PARTITIONS, "session_timeout_s": SESSION_TIMEOUT_S}
     )
 
 
