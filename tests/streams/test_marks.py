@@ -23,34 +23,41 @@ K = "keyed:0"
 
 @dataclass
 class Redis:
-    """The marks as the mark script keeps them (the rule restated, not imported)."""
+    """The marks as the claim and mark scripts keep them (the rules restated, not
+    imported): a claim raises the field's owner token; a write with a lower token is
+    refused, and one with the same token only raises the watermark."""
 
-    marks: dict[str, tuple[int, int]] = field(default_factory=dict)
-    issued: int = 0
+    marks: dict[str, int] = field(default_factory=dict)
+    owners: dict[str, int] = field(default_factory=dict)
+    #: The workers whose presence mark is set (each sets its own when it claims).
+    present: set[int] = field(default_factory=set)
 
-    def claim(self, name: str) -> Claim:
-        self.issued += 1
-        held = self.marks.get(name)
-        if held is not None:
-            self.marks[name] = (self.issued, held[1])
-        return Claim(self.issued, None if held is None else held[1])
+    def claim(self, name: str, worker: int) -> Claim:
+        self.present.add(worker)
+        self.owners[name] = self.owners.get(name, 0) + 1
+        return Claim(self.owners[name], self.marks.get(name))
 
-    def write(self, name: str, token: int, w: int | None) -> None:
-        if w is None:
+    def write(self, name: str, token: int, w: int | None, worker: int) -> None:
+        owner = self.owners.get(name, -1)
+        if w is None or worker not in self.present or token < owner:
             return
-        held = self.marks.get(name)
-        if held is not None and (token < held[0] or (token == held[0] and w <= held[1])):
-            return
-        self.marks[name] = (token, w)
+        if token > owner or w > self.marks.get(name, -1):
+            self.marks[name] = w
+            self.owners[name] = token
 
     def mark(self, name: str) -> int | None:
-        held = self.marks.get(name)
-        return None if held is None else held[1]
+        return self.marks.get(name)
+
+    def flush(self) -> None:
+        self.marks.clear()
+        self.owners.clear()
+        self.present.clear()
 
 
 @dataclass
 class Owner:
     wm: Watermarks
+    worker: int
     token: int
     #: Next offset this owner applies.
     position: int
@@ -76,12 +83,13 @@ class World:
 
     def new_owner(self) -> None:
         self.stale = self.owner
-        claim = self.redis.claim(F)
+        worker = self.owner.worker + 1 if self.owner else 1
+        claim = self.redis.claim(F, worker)
         wm = Watermarks()
         wm.assign({F: claim}, moved=[F])
         wm.restored([F])
         # The new owner starts at the committed offset: what Redis holds.
-        self.owner = Owner(wm, claim.token, self.applied)
+        self.owner = Owner(wm, worker, claim.token, self.applied)
 
     def apply(self, who: Owner, n: int) -> None:
         upto = min(len(self.times), who.position + n)
@@ -90,7 +98,7 @@ class World:
         who.position = upto
         self.applied = max(self.applied, upto)
         w = who.wm.applied(F, upto, self.times[upto - 1])
-        self.redis.write(F, who.token, w)
+        self.redis.write(F, who.token, w, who.worker)
 
     def idle(self, who: Owner, before_fetch: int, after_fetch: int) -> None:
         t0 = self.clock
@@ -98,15 +106,18 @@ class World:
         end = len(self.times)
         self.times += [self.clock] * after_fetch  # appended after the end was fetched
         w = who.wm.idle(F, t0, end, who.position)
-        self.redis.write(F, who.token, w)
+        self.redis.write(F, who.token, w, who.worker)
 
     def flush(self) -> None:
-        """Redis loses everything; the owner notices, claims again, restores its windows."""
-        self.redis.marks.clear()
+        """Redis loses everything; the owner notices, claims again, restores its windows.
+        A stale owner's writes find its presence mark gone (it would claim again on its
+        own loss, which this model leaves out: see streams.marks on a flush during a
+        handover)."""
+        self.redis.flush()
         self.applied = 0
         self.last_mark = None
         assert self.owner is not None
-        claim = self.redis.claim(F)
+        claim = self.redis.claim(F, self.owner.worker)
         self.owner.wm.assign({F: claim}, moved=[F])
         self.owner.token = claim.token
         self.applied = self.owner.position  # the restore rewrites what its table holds
