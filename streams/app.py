@@ -308,19 +308,9 @@ def build_app(
             logger.warning("%d mark writes refused: a newer owner holds them", reply.fenced)
 
     async def restore_partitions(partitions: set[int]) -> int:
-        """Rewrite the windows of ``partitions`` from the table, many keys per round trip,
-        never over a newer window (:meth:`RedisMaterializer.heal_many`)."""
-        n = 0
-        chunk: list[tuple[str, KeyState]] = []
-        for key, value in table_items(table, partitions):
-            chunk.append((key, KeyState.from_bytes(value)))
-            if len(chunk) >= RESTORE_KEYS_PER_TRIP:
-                await asyncio.wait_for(materializer.heal_many(chunk), TRIP_TIMEOUT_S)
-                n, chunk = n + len(chunk), []
-        if chunk:
-            await asyncio.wait_for(materializer.heal_many(chunk), TRIP_TIMEOUT_S)
-            n += len(chunk)
-        return n
+        """Rewrite the windows of ``partitions`` from the table, never over a newer one."""
+        states = ((key, KeyState.from_bytes(v)) for key, v in table_items(table, partitions))
+        return await materializer.restore(states, TRIP_TIMEOUT_S)
 
     def advance(lasts: Iterable[tuple[str, int, int, int]]) -> list[MarkWrite]:
         """The marks a batch advances: (topic, partition, last offset, its broker ms)."""
@@ -597,8 +587,6 @@ def build_app(
     return app
 
 
-#: Windows rewritten per round trip when partitions are restored.
-RESTORE_KEYS_PER_TRIP = 500
 #: The longest one step of keeping Redis may wait for Redis or the broker.
 TRIP_TIMEOUT_S = 10.0
 

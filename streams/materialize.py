@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,6 +95,9 @@ for k = 1, #KEYS, 5 do
 end
 return moved
 """
+
+#: Windows rewritten per round trip by a restore.
+RESTORE_KEYS_PER_TRIP = 500
 
 #: Keys per ABSORB call: one call blocks Redis (and every admission) while it runs, so a
 #: large batch is several calls in one pipeline.
@@ -368,13 +372,29 @@ class RedisMaterializer:
         args = _absorb_args(window, spec, version, list(reservation_ids), score)
         return int(await self._absorb(keys=self._absorb_keys(key), args=args))
 
-    async def restore(self, key: str, state: KeyState) -> None:
-        """Rewrite one key's window from its table state (after Redis lost its data).
+    async def restore(
+        self, states: Iterable[tuple[str, KeyState]], trip_timeout_s: float | None = None
+    ) -> int:
+        """Rewrite windows from their table states (after Redis lost its data, or when a
+        partition moved here), :data:`RESTORE_KEYS_PER_TRIP` per round trip.
 
         A compare-and-set like :meth:`heal`: records applied while the restore runs write
         newer versions, which the restore never overwrites with its older snapshot.
+
+        Returns:
+            How many windows were restored.
         """
-        await self.heal(key, state)
+        n = 0
+        chunk: list[tuple[str, KeyState]] = []
+        for item in states:
+            chunk.append(item)
+            if len(chunk) >= RESTORE_KEYS_PER_TRIP:
+                await asyncio.wait_for(self.heal_many(chunk), trip_timeout_s)
+                n, chunk = n + len(chunk), []
+        if chunk:
+            await asyncio.wait_for(self.heal_many(chunk), trip_timeout_s)
+            n += len(chunk)
+        return n
 
     async def write_policies(
         self, policies: Iterable[Policy], topology: Topology | None = None
