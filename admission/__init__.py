@@ -10,28 +10,28 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from admission.client import AdmissionClient, AsyncAdmissionClient
+from spendgate.admission.client import AdmissionClient, AsyncAdmissionClient
 
 if TYPE_CHECKING:
-    from admission.app import create_app
-    from admission.auth import Authorizer
-    from admission.publisher import KafkaPublisher, UsagePublisher
-    from admission.settings import AdmissionSettings
-    from admission.store import AdmitResult, BudgetStore, Charge, Plan
-    from admission.sweeper import ReserveSweeper
+    from spendgate.admission.app import create_app
+    from spendgate.admission.auth import Authorizer
+    from spendgate.admission.publisher import KafkaPublisher, UsagePublisher
+    from spendgate.admission.settings import AdmissionSettings
+    from spendgate.admission.store import AdmitResult, BudgetStore, Charge, Plan
+    from spendgate.admission.sweeper import ReserveSweeper
 
 #: Server-side names and the module each is imported from on first use.
 _SERVER = {
-    "AdmissionSettings": "admission.settings",
-    "AdmitResult": "admission.store",
-    "Authorizer": "admission.auth",
-    "BudgetStore": "admission.store",
-    "Charge": "admission.store",
-    "KafkaPublisher": "admission.publisher",
-    "Plan": "admission.store",
-    "ReserveSweeper": "admission.sweeper",
-    "UsagePublisher": "admission.publisher",
-    "create_app": "admission.app",
+    "AdmissionSettings": "spendgate.admission.settings",
+    "AdmitResult": "spendgate.admission.store",
+    "Authorizer": "spendgate.admission.auth",
+    "BudgetStore": "spendgate.admission.store",
+    "Charge": "spendgate.admission.store",
+    "KafkaPublisher": "spendgate.admission.publisher",
+    "Plan": "spendgate.admission.store",
+    "ReserveSweeper": "spendgate.admission.sweeper",
+    "UsagePublisher": "spendgate.admission.publisher",
+    "create_app": "spendgate.admission.app",
 }
 
 

@@ -18,10 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from admission.auth import Authorizer, Principal
-from admission.decide import (
+from spendgate.admission.auth import Authorizer, Principal
+from spendgate.admission.decide import (
     AdmitResult,
     Answer,
     Charge,
@@ -32,16 +30,16 @@ from admission.decide import (
     unvouched_of,
     worst,
 )
-from admission.delay import Delays, Gone, Held, delay_of, waitable_ms
-from admission.exceptions import (
+from spendgate.admission.delay import Delays, Gone, Held, delay_of, waitable_ms
+from spendgate.admission.exceptions import (
     AdmissionError,
     Overloaded,
     PublishUnavailable,
     StoreUnavailable,
     Unvouched,
 )
-from admission.fallback import DegradedLedger, LocalReservation, strictest
-from admission.metrics import (
+from spendgate.admission.fallback import DegradedLedger, LocalReservation, strictest
+from spendgate.admission.metrics import (
     CAPPED_NEXT,
     DECISIONS,
     FALLBACK_ADMITS,
@@ -49,11 +47,11 @@ from admission.metrics import (
     PUBLISH_OVERFLOW,
     UNVOUCHED,
 )
-from admission.publisher import UsagePublisher
-from admission.refusals import NoRefusals, RefusalSink
-from admission.reserves import DEFAULT_TTL_MS, reserve_event
-from admission.store import BudgetStore
-from admission.wire import (
+from spendgate.admission.publisher import UsagePublisher
+from spendgate.admission.refusals import NoRefusals, RefusalSink
+from spendgate.admission.reserves import DEFAULT_TTL_MS, reserve_event
+from spendgate.admission.store import BudgetStore
+from spendgate.admission.wire import (
     error_content,
     error_headers,
     error_of,
@@ -62,12 +60,13 @@ from admission.wire import (
     replaying,
     send_json,
 )
-from schemas.decisions import AdmitRequest
-from schemas.events import ReleaseEvent, Usage, UsageEvent
-from schemas.overage import factor_milli, scaled
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog
-from schemas.refusals import Refusal
+from spendgate.schemas.decisions import AdmitRequest
+from spendgate.schemas.events import ReleaseEvent, Usage, UsageEvent
+from spendgate.schemas.overage import factor_milli, scaled
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.refusals import Refusal
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["AdmitEndpoint", "AdmitService", "bearer"]
 

@@ -24,12 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp
-
-from admission.admit import DEFAULT_DELAY_WAITERS, AdmitEndpoint, AdmitService
-from admission.auth import Authorizer, Principal
-from admission.bodies import (
+from spendgate.admission.admit import DEFAULT_DELAY_WAITERS, AdmitEndpoint, AdmitService
+from spendgate.admission.auth import Authorizer, Principal
+from spendgate.admission.bodies import (
     Accepted,
     BudgetList,
     CommitRequest,
@@ -38,7 +35,7 @@ from admission.bodies import (
     ExtendRequest,
     ReleaseRequest,
 )
-from admission.decide import (
+from spendgate.admission.decide import (
     Plan,
     Planner,
     build_plans,
@@ -46,8 +43,8 @@ from admission.decide import (
     ratelimit_headers,
     statuses,
 )
-from admission.delay import Delays
-from admission.exceptions import (
+from spendgate.admission.delay import Delays
+from spendgate.admission.exceptions import (
     AdmissionError,
     AlreadySettled,
     BadRequest,
@@ -58,26 +55,28 @@ from admission.exceptions import (
     StoreUnavailable,
     UnknownReservation,
 )
-from admission.extend import ExtendService
-from admission.fallback import DegradedLedger
-from admission.metrics import (
+from spendgate.admission.extend import ExtendService
+from spendgate.admission.fallback import DegradedLedger
+from spendgate.admission.metrics import (
     PUBLISH_BUFFER,
     PUBLISH_OVERFLOW,
     REDIS_CALLS,
     SETTLE_LATENCY,
     SETTLEMENTS,
 )
-from admission.publisher import UsagePublisher
-from admission.refusals import RefusalSink
-from admission.status import StackStatus, read_status
-from admission.store import BudgetStore
-from admission.wire import BodyGuard, error_content, error_headers, error_of
-from schemas.decisions import AdmitRequest, Decision
-from schemas.events import CommitEvent, ReleaseEvent, Subject, Usage
-from schemas.forecast import forecast
-from schemas.prices import PriceCatalog
-from schemas.types import SUBJECT_FIELDS
-from schemas.windows import WindowSpec
+from spendgate.admission.publisher import UsagePublisher
+from spendgate.admission.refusals import RefusalSink
+from spendgate.admission.status import StackStatus, read_status
+from spendgate.admission.store import BudgetStore
+from spendgate.admission.wire import BodyGuard, error_content, error_headers, error_of
+from spendgate.schemas.decisions import AdmitRequest, Decision
+from spendgate.schemas.events import CommitEvent, ReleaseEvent, Subject, Usage
+from spendgate.schemas.forecast import forecast
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.types import SUBJECT_FIELDS
+from spendgate.schemas.windows import WindowSpec
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-
-from admission.exceptions import Forbidden, Unauthorized
-from schemas.exceptions import ConfigurationError
+from spendgate.admission.exceptions import Forbidden, Unauthorized
+from spendgate.schemas.exceptions import ConfigurationError
 
 __all__ = ["ALL_TENANTS", "OPERATOR", "Authorizer", "Grant", "Principal", "load_tokens"]
 

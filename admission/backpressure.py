@@ -21,9 +21,8 @@ import asyncio
 from collections import deque
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from admission.exceptions import Overloaded
-from admission.metrics import OVERLOADED
+from spendgate.admission.exceptions import Overloaded
+from spendgate.admission.metrics import OVERLOADED
 
 __all__ = ["Backpressure", "LoopLag"]
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from schemas.decisions import BudgetStatus, UnvouchedState
-from schemas.events import Usage
-from schemas.types import Identifier
+from spendgate.schemas.decisions import BudgetStatus, UnvouchedState
+from spendgate.schemas.events import Usage
+from spendgate.schemas.types import Identifier
 
 
 class CommitRequest(BaseModel):

@@ -48,14 +48,13 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
-
-from admission.exceptions import (
+from spendgate.admission.exceptions import (
     AdmissionRequestError,
     AdmissionUnavailable,
     BudgetExceeded,
 )
-from schemas.decisions import Decision
-from schemas.events import Subject, Usage
+from spendgate.schemas.decisions import Decision
+from spendgate.schemas.events import Subject, Usage
 
 __all__ = [
     "AdmissionClient",

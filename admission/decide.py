@@ -35,17 +35,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
 
-from admission.fallback import DegradedLedger, strictest
-from admission.scripts import TargetTemplate
-from schemas.burst import BurstSpec, full_after_ms
-from schemas.events import Subject, Usage
-from schemas.exceptions import MissingGroupByField, UnitError
-from schemas.matching import BudgetTarget, PolicyIndex, budget_key
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog
-from schemas.shards import tenant_scoped
-from schemas.types import MAX_AMOUNT
-from schemas.units import amount
+from spendgate.admission.fallback import DegradedLedger, strictest
+from spendgate.admission.scripts import TargetTemplate
+from spendgate.schemas.burst import BurstSpec, full_after_ms
+from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.exceptions import MissingGroupByField, UnitError
+from spendgate.schemas.matching import BudgetTarget, PolicyIndex, budget_key
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.shards import tenant_scoped
+from spendgate.schemas.types import MAX_AMOUNT
+from spendgate.schemas.units import amount
 
 __all__ = [
     "AdmitResult",
@@ -331,7 +331,7 @@ class Planner:
             BadRequest: a matching policy groups by a field the subject lacks.
             Unprocessable: the estimate cannot be counted in a matching policy's unit.
         """
-        from admission.exceptions import BadRequest, Unprocessable
+        from spendgate.admission.exceptions import BadRequest, Unprocessable
 
         try:
             first = self.charges(subject, estimate)

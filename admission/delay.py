@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission.decide import AdmitResult, Answer, Plan, PolicyTerms
-from admission.metrics import DELAY_WAITING, DELAYS
+from spendgate.admission.decide import AdmitResult, Answer, Plan, PolicyTerms
+from spendgate.admission.metrics import DELAY_WAITING, DELAYS
 
 __all__ = ["Delays", "Gone", "Held", "delay_of", "waitable_ms"]
 

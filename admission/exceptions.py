@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from schemas.exceptions import SpendgateError
+from spendgate.schemas.exceptions import SpendgateError
 
 if TYPE_CHECKING:
-    from schemas.decisions import Decision
+    from spendgate.schemas.decisions import Decision
 
 
 class AdmissionError(SpendgateError):

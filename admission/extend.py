@@ -7,10 +7,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from admission.auth import Principal
-from admission.bodies import ExtendRequest
-from admission.decide import Answer, Planner, statuses, worst
-from admission.exceptions import (
+from spendgate.admission.auth import Principal
+from spendgate.admission.bodies import ExtendRequest
+from spendgate.admission.decide import Answer, Planner, statuses, worst
+from spendgate.admission.exceptions import (
     AlreadySettled,
     OutcomeUnknown,
     PublishUnavailable,
@@ -18,12 +18,12 @@ from admission.exceptions import (
     Unprocessable,
     Unvouched,
 )
-from admission.metrics import EXTENDS, PUBLISH_OVERFLOW
-from admission.publisher import UsagePublisher
-from admission.store import BudgetStore
-from schemas.events import ExtendEvent, extend_event_id
-from schemas.exceptions import MissingGroupByField, UnitError
-from schemas.policies import Policy
+from spendgate.admission.metrics import EXTENDS, PUBLISH_OVERFLOW
+from spendgate.admission.publisher import UsagePublisher
+from spendgate.admission.store import BudgetStore
+from spendgate.schemas.events import ExtendEvent, extend_event_id
+from spendgate.schemas.exceptions import MissingGroupByField, UnitError
+from spendgate.schemas.policies import Policy
 
 __all__ = ["ExtendService"]
 

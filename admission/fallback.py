@@ -15,9 +15,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.events import Subject
-from schemas.policies import Policy
-from schemas.types import FailureMode
+from spendgate.schemas.events import Subject
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.types import FailureMode
 
 __all__ = ["STRICTNESS", "DegradedLedger", "LocalReservation", "strictest"]
 

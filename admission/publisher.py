@@ -11,9 +11,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
-
-from admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES, UNPUBLISHED_AT_SHUTDOWN
-from schemas.events import UsageEvent, partition_key
+from spendgate.admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES, UNPUBLISHED_AT_SHUTDOWN
+from spendgate.schemas.events import UsageEvent, partition_key
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,10 @@ from typing import Protocol
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
-
-from admission.metrics import REFUSALS
-from admission.publisher import start_producer
-from schemas.events import partition_key
-from schemas.refusals import Refusal, RefusalGap
+from spendgate.admission.metrics import REFUSALS
+from spendgate.admission.publisher import start_producer
+from spendgate.schemas.events import partition_key
+from spendgate.schemas.refusals import Refusal, RefusalGap
 
 __all__ = ["KafkaRefusals", "NoRefusals", "RefusalSink"]
 

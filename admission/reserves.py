@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
-from schemas.events import ReserveEvent, Subject, Usage
+from spendgate.schemas.events import ReserveEvent, Subject, Usage
 
 __all__ = ["DEFAULT_TTL_MS", "reserve_event", "reserve_event_from_record"]
 

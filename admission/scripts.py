@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from admission.burst_lua import BURST_LUA_LIB
-from admission.window_lua import WINDOW_LUA_LIB
+from spendgate.admission.burst_lua import BURST_LUA_LIB
+from spendgate.admission.window_lua import WINDOW_LUA_LIB
 
 __all__ = [
     "ADMIT",

@@ -14,17 +14,16 @@ from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-
-from admission.app import create_app
-from admission.auth import Authorizer, load_tokens
-from admission.backpressure import Backpressure
-from admission.publisher import KafkaPublisher
-from admission.redis_check import warn_if_not_durable
-from admission.refusals import KafkaRefusals
-from admission.settings import AdmissionSettings
-from admission.store import BudgetStore
-from admission.sweeper import ReserveSweeper
-from schemas.prices import load_catalog
+from spendgate.admission.app import create_app
+from spendgate.admission.auth import Authorizer, load_tokens
+from spendgate.admission.backpressure import Backpressure
+from spendgate.admission.publisher import KafkaPublisher
+from spendgate.admission.redis_check import warn_if_not_durable
+from spendgate.admission.refusals import KafkaRefusals
+from spendgate.admission.settings import AdmissionSettings
+from spendgate.admission.store import BudgetStore
+from spendgate.admission.sweeper import ReserveSweeper
+from spendgate.schemas.prices import load_catalog
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ def serve(settings: AdmissionSettings, workers: int = 1) -> None:
     host, port = settings.admission_host, settings.admission_port
     if workers > 1:
         uvicorn.run(
-            "admission.server:app_from_env",
+            "spendgate.admission.server:app_from_env",
             factory=True,
             workers=workers,
             host=host,

@@ -13,16 +13,15 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-
-from schemas.redis_keys import (
+from spendgate.schemas.redis_keys import (
     mark_owners_key,
     mark_progress_key,
     marks_key,
     policies_key,
     topology_key,
 )
-from schemas.shards import Topology
-from schemas.status import MarkState, PartitionStatus, StackStatus, WorkerLag, classify
+from spendgate.schemas.shards import Topology
+from spendgate.schemas.status import MarkState, PartitionStatus, StackStatus, WorkerLag, classify
 
 __all__ = [
     "MarkState",

@@ -12,10 +12,9 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from admission import resp
-from admission.backpressure import Backpressure
-from admission.decide import (
+from spendgate.admission import resp
+from spendgate.admission.backpressure import Backpressure
+from spendgate.admission.decide import (
     AdmitResult,
     CapTerms,
     Charge,
@@ -25,9 +24,9 @@ from admission.decide import (
     PolicyTerms,
     State,
 )
-from admission.exceptions import Overloaded, StoreUnavailable
-from admission.metrics import OVERLOADED, STORE_FAILURES
-from admission.scripts import (
+from spendgate.admission.exceptions import Overloaded, StoreUnavailable
+from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
+from spendgate.admission.scripts import (
     ADMIT,
     ADMIT_REPLY_PER_TARGET,
     EXTEND,
@@ -36,11 +35,11 @@ from admission.scripts import (
     AdmitHeader,
     encode_deps,
 )
-from schemas import window_codec, windows
-from schemas.events import Subject, Usage, partition_key
-from schemas.overage import OverageMark
-from schemas.policies import Policy
-from schemas.redis_keys import (
+from spendgate.schemas import window_codec, windows
+from spendgate.schemas.events import Subject, Usage, partition_key
+from spendgate.schemas.overage import OverageMark
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.redis_keys import (
     burst_key,
     extend_key,
     marks_key,
@@ -55,7 +54,7 @@ from schemas.redis_keys import (
     unpublished_reserves_key,
     window_key,
 )
-from schemas.shards import Topology, partition_for, usage_mark
+from spendgate.schemas.shards import Topology, partition_for, usage_mark
 
 __all__ = [
     "AdmitResult",

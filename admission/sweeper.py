@@ -24,13 +24,12 @@ from collections import deque
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-
-from admission.metrics import RESERVES_REPUBLISHED, RESERVES_UNRECOVERABLE
-from admission.publisher import UsagePublisher
-from admission.reserves import reserve_event_from_record
-from admission.scripts import CLAIM_UNPUBLISHED
-from schemas.events import ReserveEvent, UsageEvent
-from schemas.redis_keys import reservation_key, unpublished_reserves_key
+from spendgate.admission.metrics import RESERVES_REPUBLISHED, RESERVES_UNRECOVERABLE
+from spendgate.admission.publisher import UsagePublisher
+from spendgate.admission.reserves import reserve_event_from_record
+from spendgate.admission.scripts import CLAIM_UNPUBLISHED
+from spendgate.schemas.events import ReserveEvent, UsageEvent
+from spendgate.schemas.redis_keys import reservation_key, unpublished_reserves_key
 
 logger = logging.getLogger(__name__)
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from admission.exceptions import (
+from spendgate.admission.exceptions import (
     AdmissionError,
     PayloadTooLarge,
     UnsupportedMediaType,
     Unvouched,
 )
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "BodyGuard",

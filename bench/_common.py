@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.shards import Topology
+from spendgate.schemas.shards import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = ROOT / "bench" / "plots"

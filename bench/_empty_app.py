@@ -11,8 +11,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-
-from admission.server import uvicorn_options
+from spendgate.admission.server import uvicorn_options
 
 
 def build() -> FastAPI:

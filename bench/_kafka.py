@@ -25,7 +25,7 @@ POLICY = {
 
 def settings(rid: str, data_dir: Path, metrics_port: int = 0, partitions: int = 4) -> Any:
     """Worker settings on this run's own topics, Redis keys, consumer group and tables."""
-    from streams.settings import WorkerSettings
+    from spendgate.streams.settings import WorkerSettings
 
     return WorkerSettings(
         kafka_bootstrap=c.KAFKA,
@@ -79,9 +79,9 @@ def event(tenant: str, occurred_ms: int, amount: int, *, reserve: bool = False) 
 
 async def setup_topics(s: Any) -> None:
     """Create the run's topics and publish the benchmark policy."""
-    from schemas.policies import Policy
-    from streams.policy_admin import publish_policies
-    from streams.topics import ensure_topics
+    from spendgate.schemas.policies import Policy
+    from spendgate.streams.policy_admin import publish_policies
+    from spendgate.streams.topics import ensure_topics
 
     await ensure_topics(s)
     await publish_policies(s, [Policy.model_validate(POLICY)])
@@ -131,8 +131,7 @@ async def raw_consume(s: Any, parse: bool = False) -> tuple[int, float]:
     """Read the whole usage topic with a plain aiokafka consumer (as replay configures it);
     return (records, seconds). ``parse``: also ``json.loads`` every value."""
     from aiokafka import AIOKafkaConsumer
-
-    from streams.kafka_util import assign, partitions, stop
+    from spendgate.streams.kafka_util import assign, partitions, stop
 
     consumer = AIOKafkaConsumer(
         bootstrap_servers=s.kafka_bootstrap, enable_auto_commit=False, max_poll_records=2000

@@ -58,11 +58,11 @@ async def _load(spec: dict[str, Any]) -> dict[str, Any]:
     tag = spec["tag"]
     pool: asyncio.Queue[Any] = asyncio.Queue()
     if spec["target"] == "lua":
-        from admission.app import build_plans
-        from admission.server import redis_client
-        from admission.settings import AdmissionSettings
-        from admission.store import BudgetStore
-        from schemas.events import Subject, Usage
+        from spendgate.admission.app import build_plans
+        from spendgate.admission.server import redis_client
+        from spendgate.admission.settings import AdmissionSettings
+        from spendgate.admission.store import BudgetStore
+        from spendgate.schemas.events import Subject, Usage
 
         settings = AdmissionSettings(redis_url=spec["redis_url"], redis_prefix=spec["prefix"])
         client = redis_client(settings)
@@ -169,7 +169,7 @@ def _load_main(spec_path: str) -> None:
 
 
 def _tenant_policies(count: int) -> list[Any]:
-    from schemas.policies import Policy
+    from spendgate.schemas.policies import Policy
 
     return [
         Policy.model_validate(
@@ -192,7 +192,7 @@ REFUSED_MODEL = "mr"
 
 
 def _policies(budgets: list[int]) -> list[Any]:
-    from schemas.policies import Policy
+    from spendgate.schemas.policies import Policy
 
     refused = Policy.model_validate(
         {
@@ -228,14 +228,13 @@ async def _prepare(
     """Topics, the policies in Redis, and a 60-bucket (dense) window on every key used
     (``policies``: those instead of ``budgets``' policies, model ``ms``)."""
     import redis.asyncio as aioredis
-
-    from schemas import window_codec
-    from schemas.events import Subject
-    from schemas.matching import PolicyIndex
-    from schemas.redis_keys import window_key
-    from streams.materialize import RedisMaterializer
-    from streams.settings import WorkerSettings
-    from streams.topics import ensure_topics
+    from spendgate.schemas import window_codec
+    from spendgate.schemas.events import Subject
+    from spendgate.schemas.matching import PolicyIndex
+    from spendgate.schemas.redis_keys import window_key
+    from spendgate.streams.materialize import RedisMaterializer
+    from spendgate.streams.settings import WorkerSettings
+    from spendgate.streams.topics import ensure_topics
 
     await ensure_topics(
         WorkerSettings(kafka_bootstrap=c.KAFKA, topic_prefix=f"{rid}.", partitions=1)

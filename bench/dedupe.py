@@ -52,7 +52,7 @@ def _by_kind(path: Path) -> dict[str, int]:
 
 
 def _id_store(digests: list[bytes], horizon_ms: int) -> dict[str, Any]:
-    from streams.dedupe import IdStore, Position
+    from spendgate.streams.dedupe import IdStore, Position
 
     n = len(digests)
     step_ms = max(1, horizon_ms // max(n, 1))
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.ids = 20_000
-    from streams.dedupe import SLICES, event_digest
+    from spendgate.streams.dedupe import SLICES, event_digest
 
     horizon_ms = int(args.horizon_h * HOUR_MS)
     c.print_header(

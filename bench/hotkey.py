@@ -100,13 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.events = 5_000
     import orjson
-
-    from schemas.policies import Policy
-    from streams.alerting import evaluate
-    from streams.dedupe import IdStore, Position
-    from streams.fanout import fan_out
-    from streams.fold import Rules, UsageRecord, fold_usage
-    from streams.ledger import KeyedRecord, KeyState, apply
+    from spendgate.schemas.policies import Policy
+    from spendgate.streams.alerting import evaluate
+    from spendgate.streams.dedupe import IdStore, Position
+    from spendgate.streams.fanout import fan_out
+    from spendgate.streams.fold import Rules, UsageRecord, fold_usage
+    from spendgate.streams.ledger import KeyedRecord, KeyState, apply
 
     n = args.events
     policy = Policy.model_validate(

@@ -47,7 +47,7 @@ DENSE_TARGET_B = 16384
 
 def _state(buckets: list[int], per_bucket: int, flow: str, rng: random.Random) -> Any:
     """A KeyState after ``per_bucket`` requests in each bucket of ``buckets`` (offsets)."""
-    from streams.ledger import KeyedRecord, KeyState, apply
+    from spendgate.streams.ledger import KeyedRecord, KeyState, apply
 
     state = KeyState()
     end = 1_764_460_800_000  # a fixed day boundary (2025-11-30T00:00Z), minutes aligned
@@ -107,8 +107,7 @@ def _state(buckets: list[int], per_bucket: int, flow: str, rng: random.Random) -
 def _v1_value(state: Any) -> bytes:
     """``state`` in the version 1 JSON layout, without the event ids version 1 also kept."""
     import orjson
-
-    from streams.ledger import KeyState, _hold_json
+    from spendgate.streams.ledger import KeyState, _hold_json
 
     value = orjson.dumps(
         {
@@ -159,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.disk_keys = 20
     import redis
-
-    from schemas import window_codec
-    from schemas.redis_keys import window_key
-    from streams.ledger import STATE_VERSION, KeyState
+    from spendgate.schemas import window_codec
+    from spendgate.schemas.redis_keys import window_key
+    from spendgate.streams.ledger import STATE_VERSION, KeyState
 
     rid = c.run_id("mem")
     c.print_header(

@@ -140,13 +140,12 @@ async def _fixed_window(
 
 async def _prefill(rid: str, tenants: list[str], used: int) -> None:
     import redis.asyncio as aioredis
-
-    from schemas import window_codec
-    from schemas.policies import Policy
-    from schemas.redis_keys import window_key
-    from streams.materialize import RedisMaterializer
-    from streams.settings import WorkerSettings
-    from streams.topics import ensure_topics
+    from spendgate.schemas import window_codec
+    from spendgate.schemas.policies import Policy
+    from spendgate.schemas.redis_keys import window_key
+    from spendgate.streams.materialize import RedisMaterializer
+    from spendgate.streams.settings import WorkerSettings
+    from spendgate.streams.topics import ensure_topics
 
     await ensure_topics(
         WorkerSettings(kafka_bootstrap=c.KAFKA, topic_prefix=f"{rid}.", partitions=1)

@@ -76,7 +76,7 @@ def _records(events: int, keys: int, partitions: int) -> list[Any]:
     import random
     import zlib
 
-    from streams.fold import UsageRecord
+    from spendgate.streams.fold import UsageRecord
 
     rng = random.Random(1)
     now = int(time.time() * 1000)
@@ -91,10 +91,10 @@ def _records(events: int, keys: int, partitions: int) -> list[Any]:
 
 def _fold_only(records: list[Any], batch: int) -> float:
     """Events/s of ``fold_usage`` over ``records`` in batches, tables in a dict, no I/O."""
-    from schemas.policies import Policy
-    from streams.dedupe import IdStore
-    from streams.fold import Rules, fold_usage
-    from streams.ledger import KeyState
+    from spendgate.schemas.policies import Policy
+    from spendgate.streams.dedupe import IdStore
+    from spendgate.streams.fold import Rules, fold_usage
+    from spendgate.streams.ledger import KeyState
 
     rules = Rules([Policy.model_validate(k.POLICY)], None)
     table: dict[str, bytes] = {}
@@ -131,10 +131,10 @@ def _per_event_us(fn: Any, values: list[Any]) -> float:
 
 def _lean_figures(records: list[Any]) -> list[list[object]]:
     """Decode and policy lookup, per event, fast against today's."""
-    from schemas.events import Subject, parse_event
-    from schemas.fastdecode import decode
-    from schemas.matching import PolicyIndex, targets
-    from schemas.policies import Policy
+    from spendgate.schemas.events import Subject, parse_event
+    from spendgate.schemas.fastdecode import decode
+    from spendgate.schemas.matching import PolicyIndex, targets
+    from spendgate.schemas.policies import Policy
 
     values = [r.value for r in records[:20_000]]
     fast = _per_event_us(decode, values)
@@ -239,10 +239,9 @@ async def _freshness(s: Any, probes: int, seconds: float) -> dict[str, Any]:
     """Probe events on their own key: produced -> in Redis, and produced -> consumable."""
     import redis.asyncio as aioredis
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-    from schemas import window_codec
-    from schemas.redis_keys import window_key
-    from streams.kafka_util import partitions, stop
+    from spendgate.schemas import window_codec
+    from spendgate.schemas.redis_keys import window_key
+    from spendgate.streams.kafka_util import partitions, stop
 
     client = aioredis.Redis.from_url(s.redis_url)
     wkey = window_key(s.redis_prefix, "pb|tenant=probe")

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.events, args.keys = 300, 50
-    from streams.replay import replay
+    from spendgate.streams.replay import replay
 
     rid = c.run_id("rep")
     s = k.settings(rid, Path(tempfile.mkdtemp(prefix=f"{rid}-")) / "tables")
@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _simulate(s: object) -> tuple[int, int, float]:
     """Time ``spendgate simulate`` over the benchmark's topic with its policies as draft."""
+    from spendgate.streams.policybook import read_policies
+
     from spendgate.simulate import simulate
-    from streams.policybook import read_policies
 
     draft = list((await read_policies(s.kafka_bootstrap, s.topic("policies"))).values())  # type: ignore[attr-defined]
     t0 = time.perf_counter()

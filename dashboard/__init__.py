@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from dashboard.settings import DashboardSettings
+from spendgate.dashboard.settings import DashboardSettings
 
 __all__ = ["DashboardSettings"]

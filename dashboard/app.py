@@ -11,22 +11,21 @@ from pathlib import Path
 from typing import Any
 
 from redis.exceptions import RedisError
+from spendgate.admission.auth import ANYONE, Authorizer, Principal
+from spendgate.admission.exceptions import Unauthorized
+from spendgate.admission.wire import error_content
+from spendgate.dashboard.feeds import Scraper, TopicFeed
+from spendgate.dashboard.reader import MAX_PAGE, BudgetReader, Sort
+from spendgate.dashboard.views import tenant_of
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.matching import budget_key, parse_key
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.refusals import Refusal
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-
-from admission.auth import ANYONE, Authorizer, Principal
-from admission.exceptions import Unauthorized
-from admission.wire import error_content
-from dashboard.feeds import Scraper, TopicFeed
-from dashboard.reader import MAX_PAGE, BudgetReader, Sort
-from dashboard.views import tenant_of
-from schemas.alerts import Alert
-from schemas.matching import budget_key, parse_key
-from schemas.policies import Policy
-from schemas.refusals import Refusal
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "spendgate_session"

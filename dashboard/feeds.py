@@ -14,9 +14,8 @@ import httpx
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ValidationError
-
-from dashboard.views import Scrape, parse_scrape, rates
-from streams.kafka_util import assign, partitions, stop
+from spendgate.dashboard.views import Scrape, parse_scrape, rates
+from spendgate.streams.kafka_util import assign, partitions, stop
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,10 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-
-from dashboard.views import KeyRow, key_row, tenant_of, window_series
-from schemas.matching import parse_key
-from schemas.policies import Policy
-from schemas.redis_keys import (
+from spendgate.dashboard.views import KeyRow, key_row, tenant_of, window_series
+from spendgate.schemas.matching import parse_key
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.redis_keys import (
     pending_window_key,
     policies_key,
     policies_version_key,

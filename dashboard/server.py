@@ -10,15 +10,14 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 import uvicorn
+from spendgate.admission.auth import Authorizer, load_tokens
+from spendgate.dashboard.app import create_app
+from spendgate.dashboard.feeds import Scraper, TopicFeed
+from spendgate.dashboard.reader import BudgetReader
+from spendgate.dashboard.settings import DashboardSettings
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.refusals import Refusal
 from starlette.applications import Starlette
-
-from admission.auth import Authorizer, load_tokens
-from dashboard.app import create_app
-from dashboard.feeds import Scraper, TopicFeed
-from dashboard.reader import BudgetReader
-from dashboard.settings import DashboardSettings
-from schemas.alerts import Alert
-from schemas.refusals import Refusal
 
 logger = logging.getLogger(__name__)
 

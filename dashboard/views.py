@@ -8,12 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from schemas import window_codec, windows
-from schemas.forecast import forecast
-from schemas.matching import is_exact, parse_key
-from schemas.policies import Policy
-from schemas.windows import WindowSpec
+from spendgate.schemas import window_codec, windows
+from spendgate.schemas.forecast import forecast
+from spendgate.schemas.matching import is_exact, parse_key
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.windows import WindowSpec
 
 #: The decision kinds admission counts (``spendgate_admission_decisions_total``).
 REFUSED = ("reject",)

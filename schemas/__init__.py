@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from schemas.alerts import Alert, AlertKind, alert_id
-from schemas.deadletter import DeadLetter, dead_letter
-from schemas.decisions import AdmitRequest, BudgetStatus, BurstStatus, Decision
-from schemas.events import (
+from spendgate.schemas.alerts import Alert, AlertKind, alert_id
+from spendgate.schemas.deadletter import DeadLetter, dead_letter
+from spendgate.schemas.decisions import AdmitRequest, BudgetStatus, BurstStatus, Decision
+from spendgate.schemas.events import (
     AdjustEvent,
     CommitEvent,
     ExtendEvent,
@@ -19,7 +19,7 @@ from schemas.events import (
     parse_event,
     partition_key,
 )
-from schemas.exceptions import (
+from spendgate.schemas.exceptions import (
     ConfigurationError,
     MissingGroupByField,
     PolicyError,
@@ -27,11 +27,11 @@ from schemas.exceptions import (
     UnitError,
     UnpricedModel,
 )
-from schemas.matching import BudgetTarget, PolicyIndex, budget_key, matches, targets
-from schemas.policies import Burst, Policy, validate_against_catalog
-from schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
-from schemas.refusals import Refusal, RefusalGap
-from schemas.units import amount
+from spendgate.schemas.matching import BudgetTarget, PolicyIndex, budget_key, matches, targets
+from spendgate.schemas.policies import Burst, Policy, validate_against_catalog
+from spendgate.schemas.prices import ModelPrice, PriceCatalog, cost_micros, load_catalog
+from spendgate.schemas.refusals import Refusal, RefusalGap
+from spendgate.schemas.units import amount
 
 __all__ = [
     "AdjustEvent",

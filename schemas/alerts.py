@@ -7,10 +7,9 @@ import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from schemas.events import UtcDatetime
-from schemas.policies import Threshold
-from schemas.types import MAX_AMOUNT, PolicyId, SignedAmount
+from spendgate.schemas.events import UtcDatetime
+from spendgate.schemas.policies import Threshold
+from spendgate.schemas.types import MAX_AMOUNT, PolicyId, SignedAmount
 
 AlertKind = Literal[
     "threshold", "exhausted", "forecast", "reservation_expired", "overage", "store_failure"

@@ -9,8 +9,7 @@ from datetime import datetime
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from schemas.events import UtcDatetime
+from spendgate.schemas.events import UtcDatetime
 
 
 def _as_text(raw: bytes) -> str:

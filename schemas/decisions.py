@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from schemas.events import Subject, Usage
-from schemas.types import Amount, Identifier, Unit
+from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.types import Amount, Identifier, Unit
 
 #: Why Redis's window cannot be vouched for (see ``schemas.shards``).
 UnvouchedState = Literal["stale", "missing"]

@@ -14,8 +14,7 @@ from pydantic import (
     TypeAdapter,
     model_validator,
 )
-
-from schemas.types import Amount, Identifier, SignedAmount, SubjectValue, epoch_ms
+from spendgate.schemas.types import Amount, Identifier, SignedAmount, SubjectValue, epoch_ms
 
 
 def _to_utc(value: datetime) -> datetime:

@@ -17,8 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
-
-from schemas.events import (
+from spendgate.schemas.events import (
     AdjustEvent,
     ReleaseEvent,
     ReserveEvent,
@@ -28,7 +27,7 @@ from schemas.events import (
     UsageEvent,
     parse_event,
 )
-from schemas.types import MAX_AMOUNT
+from spendgate.schemas.types import MAX_AMOUNT
 
 __all__ = ["Event", "FastSubject", "FastUsage", "Kind", "decode", "from_model"]
 

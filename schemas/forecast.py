@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from schemas.windows import WindowSpec, _boundary_part, total
+from spendgate.schemas.windows import WindowSpec, _boundary_part, total
 
 __all__ = ["FRACTION", "BurnRate", "Forecast", "burn_rate", "exhausts_in_ms", "forecast"]
 

@@ -7,15 +7,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import TypeAdapter
-
-from schemas.alerts import Alert
-from schemas.deadletter import DeadLetter
-from schemas.decisions import AdmitRequest, Decision
-from schemas.events import UsageEvent
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog
-from schemas.refusals import Refusal, RefusalGap
-from schemas.status import StackStatus
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.deadletter import DeadLetter
+from spendgate.schemas.decisions import AdmitRequest, Decision
+from spendgate.schemas.events import UsageEvent
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.refusals import Refusal, RefusalGap
+from spendgate.schemas.status import StackStatus
 
 _DIALECT = "https://json-schema.org/draft/2020-12/schema"
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Protocol
 
-from schemas.exceptions import MissingGroupByField
-from schemas.policies import Policy
+from spendgate.schemas.exceptions import MissingGroupByField
+from spendgate.schemas.policies import Policy
 
 #: Characters that make a ``match`` value a glob (``fnmatch``); without them it is exact.
 GLOB_CHARS = frozenset("*?[")

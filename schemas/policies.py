@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
-
-from schemas.burst import BurstSpec
-from schemas.exceptions import PolicyError
-from schemas.types import (
+from spendgate.schemas.burst import BurstSpec
+from spendgate.schemas.exceptions import PolicyError
+from spendgate.schemas.types import (
     MAX_AMOUNT,
     Boundary,
     Duration,
@@ -25,7 +24,7 @@ from schemas.types import (
 )
 
 if TYPE_CHECKING:
-    from schemas.prices import PriceCatalog
+    from spendgate.schemas.prices import PriceCatalog
 
 _MIN_WINDOW_MS = 30_000
 MAX_WINDOW_MS = 31 * 86_400_000

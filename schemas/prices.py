@@ -25,10 +25,9 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from schemas.events import SignedUsage, Usage
-from schemas.exceptions import ConfigurationError
-from schemas.types import Amount, ModelPattern
+from spendgate.schemas.events import SignedUsage, Usage
+from spendgate.schemas.exceptions import ConfigurationError
+from spendgate.schemas.types import Amount, ModelPattern
 
 _GLOB_CHARS = frozenset("*?[")
 _PER_MTOK = 1_000_000

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from schemas.events import Subject, Usage, UtcDatetime
-from schemas.types import Identifier, PolicyId
+from spendgate.schemas.events import Subject, Usage, UtcDatetime
+from spendgate.schemas.types import Identifier, PolicyId
 
 
 class Refusal(BaseModel):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.matching import is_exact
-from schemas.policies import Policy
+from spendgate.schemas.matching import is_exact
+from spendgate.schemas.policies import Policy
 
 _SEED = 0x9747B28C
 _M = 0x5BD1E995

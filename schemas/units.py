@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from schemas.events import SignedUsage, Usage
-from schemas.exceptions import UnitError, UnpricedModel
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog, cost_micros
-from schemas.types import MAX_AMOUNT
+from spendgate.schemas.events import SignedUsage, Usage
+from spendgate.schemas.exceptions import UnitError, UnpricedModel
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog, cost_micros
+from spendgate.schemas.types import MAX_AMOUNT
 
 
 def _cost(

@@ -66,7 +66,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from schemas.types import Boundary
+from spendgate.schemas.types import Boundary
 
 __all__ = [
     "BOUNDARIES",

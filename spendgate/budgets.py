@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from dashboard.reader import BudgetReader
-from dashboard.views import KeyRow
-from schemas.matching import parse_key
+from spendgate.dashboard.reader import BudgetReader
+from spendgate.dashboard.views import KeyRow
+from spendgate.schemas.matching import parse_key
 
 __all__ = ["top_budgets"]
 

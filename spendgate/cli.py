@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from schemas.exceptions import SpendgateError
+from spendgate.schemas.exceptions import SpendgateError
 
 # Help and usage errors go through click's plain formatter (rich_markup_mode=None): it shows
 # boolean options as flags (``--verify / --no-verify``), where typer's rich panels print
@@ -112,8 +112,8 @@ def _print_decidability(out: Console) -> None:
     """The partition marks of the default settings' Redis prefix, as admission sees them."""
     import redis
 
-    from admission.settings import AdmissionSettings
-    from admission.status import read_status_sync
+    from spendgate.admission.settings import AdmissionSettings
+    from spendgate.admission.status import read_status_sync
 
     settings = AdmissionSettings()
     client = redis.Redis.from_url(
@@ -150,7 +150,7 @@ def _print_worker_readiness(out: Console) -> None:
     """The worker's /readyz on its metrics port (default settings), when it answers."""
     import httpx
 
-    from streams.settings import WorkerSettings
+    from spendgate.streams.settings import WorkerSettings
 
     port = WorkerSettings().metrics_port
     if not port:
@@ -175,8 +175,8 @@ def _print_worker_readiness(out: Console) -> None:
 @app.command("worker")
 def worker(json_logs: JsonLogs = False) -> None:
     """Run the stream processor: consume usage events, keep windows, materialize to Redis."""
-    from streams.settings import WorkerSettings
-    from streams.worker import run_worker
+    from spendgate.streams.settings import WorkerSettings
+    from spendgate.streams.worker import run_worker
 
     _configure_logging(json_logs)
     run_worker(WorkerSettings())
@@ -194,8 +194,8 @@ def admission(
     ] = 1,
 ) -> None:
     """Run the admission HTTP service (POST /v1/admit ...)."""
-    from admission.server import serve
-    from admission.settings import AdmissionSettings
+    from spendgate.admission.server import serve
+    from spendgate.admission.settings import AdmissionSettings
 
     _configure_logging(json_logs)
     serve(AdmissionSettings(), workers=workers)
@@ -209,8 +209,8 @@ def dashboard(json_logs: JsonLogs = False) -> None:
     lag, dead letters and the latest alerts, live. Sign in with a token of
     SPENDGATE_AUTH_TOKENS_FILE ('operator' sees every tenant).
     """
-    from dashboard.server import serve
-    from dashboard.settings import DashboardSettings
+    from spendgate.dashboard.server import serve
+    from spendgate.dashboard.settings import DashboardSettings
 
     _configure_logging(json_logs)
     serve(DashboardSettings())
@@ -226,8 +226,8 @@ def policy_apply(
     ],
 ) -> None:
     """Validate policies from FILE and publish them; a bad file changes nothing."""
-    from streams.policy_admin import apply_file
-    from streams.settings import WorkerSettings
+    from spendgate.streams.policy_admin import apply_file
+    from spendgate.streams.settings import WorkerSettings
 
     for applied in apply_file(WorkerSettings(), file):
         say("applied", "green", applied)
@@ -236,8 +236,8 @@ def policy_apply(
 @policy.command("list")
 def policy_list() -> None:
     """List the policies in force."""
-    from streams.policy_admin import list_policies
-    from streams.settings import WorkerSettings
+    from spendgate.streams.policy_admin import list_policies
+    from spendgate.streams.settings import WorkerSettings
 
     table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
     for p in list_policies(WorkerSettings()):
@@ -250,8 +250,8 @@ def policy_list() -> None:
 @policy.command("delete")
 def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id.")]) -> None:
     """Delete a policy (a tombstone on the policies topic)."""
-    from streams.policy_admin import delete_policy
-    from streams.settings import WorkerSettings
+    from spendgate.streams.policy_admin import delete_policy
+    from spendgate.streams.settings import WorkerSettings
 
     delete_policy(WorkerSettings(), policy_id)
     say("deleted", "", policy_id)
@@ -290,8 +290,8 @@ def simulate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     from spendgate.simulate import caveats, chart, dumps, run_simulation
-    from streams.policy_admin import list_policies, load_policies
-    from streams.settings import WorkerSettings
+    from spendgate.streams.policy_admin import list_policies, load_policies
+    from spendgate.streams.settings import WorkerSettings
 
     draft = load_policies(policies)
     for caveat in caveats(draft):
@@ -406,7 +406,7 @@ def budgets(
     from rich.live import Live
 
     from spendgate.budgets import top_budgets
-    from streams.settings import WorkerSettings
+    from spendgate.streams.settings import WorkerSettings
 
     pairs = []
     for item in subject or []:
@@ -479,8 +479,8 @@ def replay(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from streams.replay import run_replay
-    from streams.settings import WorkerSettings
+    from spendgate.streams.replay import run_replay
+    from spendgate.streams.settings import WorkerSettings
 
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
@@ -527,8 +527,8 @@ def alerts_tail(
     """Print alerts from the alerts topic, one readable line each."""
     import asyncio
 
-    from streams.alert_feed import describe, read_alerts
-    from streams.settings import WorkerSettings
+    from spendgate.streams.alert_feed import describe, read_alerts
+    from spendgate.streams.settings import WorkerSettings
 
     settings = WorkerSettings()
 
@@ -552,7 +552,7 @@ def schema_export(
     ] = Path("schemas/json"),
 ) -> None:
     """Write the JSON Schema files of the models (checked in under schemas/json)."""
-    from schemas.jsonschema import export
+    from spendgate.schemas.jsonschema import export
 
     for path in export(directory):
         console.print(f"wrote {path}")

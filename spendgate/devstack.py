@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas.exceptions import ConfigurationError
+from spendgate.schemas.exceptions import ConfigurationError
 
 KAFKA_VERSION = "4.1.1"
 LOG4J_VERSION = "2.24.3"

@@ -43,11 +43,11 @@ from datetime import datetime
 
 from aiokafka import AIOKafkaConsumer
 
-from schemas.policies import Policy
+from spendgate.schemas.policies import Policy
 from spendgate.simulate_report import Report, chart, dumps
 from spendgate.simulation import Merged, Simulation, caveats, event_ms, judge
-from streams.kafka_util import assign, partitions, stop
-from streams.settings import WorkerSettings
+from spendgate.streams.kafka_util import assign, partitions, stop
+from spendgate.streams.settings import WorkerSettings
 
 __all__ = [
     "Report",
@@ -113,7 +113,7 @@ async def simulate(
         until: leave out records whose event time is later.
         progress: called with (records folded, records to fold).
     """
-    from schemas.prices import load_catalog
+    from spendgate.schemas.prices import load_catalog
 
     started = asyncio.get_running_loop().time()
     since_ms = None if since is None else int(since.timestamp() * 1000)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from schemas.policies import Policy
+from spendgate.schemas.policies import Policy
 
 __all__ = [
     "HIGH_WATER",

@@ -13,19 +13,19 @@ from typing import Any
 
 import orjson
 
-from admission.decide import Charge, Plan, Planner
-from schemas.burst import BurstState, check, level_at, take
-from schemas.events import Subject, Usage
-from schemas.exceptions import SpendgateError
-from schemas.fastdecode import decode
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog
-from schemas.refusals import RefusalGap
-from schemas.windows import WindowSpec, retry_after, total
+from spendgate.admission.decide import Charge, Plan, Planner
+from spendgate.schemas.burst import BurstState, check, level_at, take
+from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.exceptions import SpendgateError
+from spendgate.schemas.fastdecode import decode
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.refusals import RefusalGap
+from spendgate.schemas.windows import WindowSpec, retry_after, total
 from spendgate.simulate_report import KeyReport, PolicyReport, Report, iso_ms, track
-from streams.dedupe import IdStore
-from streams.fold import Rules, UsageRecord, fold_usage
-from streams.ledger import KeyState
+from spendgate.streams.dedupe import IdStore
+from spendgate.streams.fold import Rules, UsageRecord, fold_usage
+from spendgate.streams.ledger import KeyState
 
 #: Records folded together at most (as replay's batches).
 FOLD_BATCH = 2000

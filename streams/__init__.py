@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streams.ledger import Change, KeyedRecord, KeyState, apply, keyed_record
-from streams.settings import WorkerSettings
+from spendgate.streams.ledger import Change, KeyedRecord, KeyState, apply, keyed_record
+from spendgate.streams.settings import WorkerSettings
 
 __all__ = ["Change", "KeyState", "KeyedRecord", "WorkerSettings", "apply", "keyed_record"]

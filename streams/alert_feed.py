@@ -6,9 +6,8 @@ from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
-
-from schemas.alerts import Alert
-from streams.kafka_util import assign, partitions, stop
+from spendgate.schemas.alerts import Alert
+from spendgate.streams.kafka_util import assign, partitions, stop
 
 
 async def read_alerts(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 from datetime import UTC, datetime
 
-from schemas import windows
-from schemas.alerts import Alert, AlertKind, alert_id
-from schemas.forecast import forecast
-from streams.ledger import KeyedRecord, KeyState
+from spendgate.schemas import windows
+from spendgate.schemas.alerts import Alert, AlertKind, alert_id
+from spendgate.schemas.forecast import forecast
+from spendgate.streams.ledger import KeyedRecord, KeyState
 
 
 def _line(state: KeyState, name: str, crossed: bool) -> int | None:

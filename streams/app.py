@@ -25,15 +25,14 @@ import faust
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from faust.streams import _current_event
-
-from schemas.deadletter import dead_letter
-from schemas.policies import Policy
-from schemas.prices import load_catalog
-from schemas.shards import Topology, keyed_mark, usage_mark
-from streams import metrics
-from streams.batching import batches
-from streams.dedupe import IdStore, Position
-from streams.fold import (
+from spendgate.schemas.deadletter import dead_letter
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import load_catalog
+from spendgate.schemas.shards import Topology, keyed_mark, usage_mark
+from spendgate.streams import metrics
+from spendgate.streams.batching import batches
+from spendgate.streams.dedupe import IdStore, Position
+from spendgate.streams.fold import (
     FoldResult,
     KeyedMessage,
     Refusal,
@@ -42,16 +41,16 @@ from streams.fold import (
     fold_keyed,
     fold_usage,
 )
-from streams.gaps import Positions, committed_offset, missing_range, read_range
-from streams.health import WorkerHealth
-from streams.id_rebuild import rebuild_ids
-from streams.kafka_util import OffsetReader
-from streams.ledger import KeyState
-from streams.marks import Watermarks
-from streams.materialize import MarkReply, MarkWrite, RedisMaterializer
-from streams.policybook import PolicyBook
-from streams.settings import WorkerSettings
-from streams.statecache import StateCache
+from spendgate.streams.gaps import Positions, committed_offset, missing_range, read_range
+from spendgate.streams.health import WorkerHealth
+from spendgate.streams.id_rebuild import rebuild_ids
+from spendgate.streams.kafka_util import OffsetReader
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.marks import Watermarks
+from spendgate.streams.materialize import MarkReply, MarkWrite, RedisMaterializer
+from spendgate.streams.policybook import PolicyBook
+from spendgate.streams.settings import WorkerSettings
+from spendgate.streams.statecache import StateCache
 
 logger = logging.getLogger(__name__)
 

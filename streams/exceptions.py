@@ -9,7 +9,7 @@ Tree::
 
 from __future__ import annotations
 
-from schemas.exceptions import ConfigurationError
+from spendgate.schemas.exceptions import ConfigurationError
 
 
 class RetentionTooShortError(ConfigurationError):

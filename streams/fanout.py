@@ -6,14 +6,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
-
-from schemas.events import UsageEvent, parse_event
-from schemas.exceptions import SpendgateError
-from schemas.matching import targets
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog
-from streams.dedupe import IdStore, Position, event_digest, settled_digest
-from streams.ledger import KeyedRecord, keyed_record
+from spendgate.schemas.events import UsageEvent, parse_event
+from spendgate.schemas.exceptions import SpendgateError
+from spendgate.schemas.matching import targets
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.streams.dedupe import IdStore, Position, event_digest, settled_digest
+from spendgate.streams.ledger import KeyedRecord, keyed_record
 
 
 @dataclass(frozen=True, slots=True)

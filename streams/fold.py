@@ -27,25 +27,24 @@ from typing import Literal, NamedTuple, cast
 
 import orjson
 from pydantic import ValidationError
-
-from schemas import window_codec
-from schemas.alerts import Alert
-from schemas.events import Usage
-from schemas.exceptions import SpendgateError
-from schemas.fastdecode import Event, decode
-from schemas.matching import PolicyIndex
-from schemas.overage import OverageMark, ratio_milli
-from schemas.policies import Policy
-from schemas.prices import PriceCatalog
-from schemas.shards import tenant_scoped
-from schemas.types import Boundary
-from schemas.units import amount
-from schemas.windows import WindowSpec
-from streams.alerting import evaluate
-from streams.dedupe import IdStore, Position
-from streams.fanout import invalid_reason, note_ids
-from streams.ledger import Change, KeyedRecord, KeyState, apply
-from streams.remote import Entry, RemoteBatch
+from spendgate.schemas import window_codec
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.events import Usage
+from spendgate.schemas.exceptions import SpendgateError
+from spendgate.schemas.fastdecode import Event, decode
+from spendgate.schemas.matching import PolicyIndex
+from spendgate.schemas.overage import OverageMark, ratio_milli
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.shards import tenant_scoped
+from spendgate.schemas.types import Boundary
+from spendgate.schemas.units import amount
+from spendgate.schemas.windows import WindowSpec
+from spendgate.streams.alerting import evaluate
+from spendgate.streams.dedupe import IdStore, Position
+from spendgate.streams.fanout import invalid_reason, note_ids
+from spendgate.streams.ledger import Change, KeyedRecord, KeyState, apply
+from spendgate.streams.remote import Entry, RemoteBatch
 
 __all__ = [
     "Counts",

@@ -6,13 +6,12 @@ import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
-
-from schemas.events import parse_event
-from schemas.exceptions import SpendgateError
-from streams import metrics
-from streams.dedupe import IdStore, Position
-from streams.fanout import note
-from streams.kafka_util import assign, stop
+from spendgate.schemas.events import parse_event
+from spendgate.schemas.exceptions import SpendgateError
+from spendgate.streams import metrics
+from spendgate.streams.dedupe import IdStore, Position
+from spendgate.streams.fanout import note
+from spendgate.streams.kafka_util import assign, stop
 
 logger = logging.getLogger(__name__)
 

@@ -36,14 +36,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 import orjson
-
-from schemas import window_codec, windows
-from schemas.events import ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
-from schemas.matching import BudgetTarget
-from schemas.prices import PriceCatalog
-from schemas.types import Boundary
-from schemas.units import amount
-from schemas.windows import WindowSpec
+from spendgate.schemas import window_codec, windows
+from spendgate.schemas.events import ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
+from spendgate.schemas.matching import BudgetTarget
+from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.types import Boundary
+from spendgate.schemas.units import amount
+from spendgate.schemas.windows import WindowSpec
 
 Kind = Literal["reserve", "extend", "commit", "release", "adjust"]
 Outcome = Literal["applied", "redelivery", "late_dropped"]

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from streams.health import PartitionHealth, PartitionState
+from spendgate.streams.health import PartitionHealth, PartitionState
 
 #: A hold whose end offset is taken at the next idle tick (usage) ...
 _TAKE_END = -1

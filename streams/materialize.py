@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-
-from schemas import window_codec, windows
-from schemas.policies import Policy
-from schemas.redis_keys import (
+from spendgate.schemas import window_codec, windows
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.redis_keys import (
     mark_owners_key,
     mark_positions_key,
     mark_progress_key,
@@ -26,13 +25,13 @@ from schemas.redis_keys import (
     window_key,
     window_version_key,
 )
-from schemas.shards import Topology
-from schemas.windows import WindowSpec
-from streams.ledger import KeyState
-from streams.marks import Claim
+from spendgate.schemas.shards import Topology
+from spendgate.schemas.windows import WindowSpec
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.marks import Claim
 
 if TYPE_CHECKING:
-    from streams.fold import KeyWrite
+    from spendgate.streams.fold import KeyWrite
 
 # Write windows and move the reservations they now hold out of their pending windows; each
 # key in one atomic step: at no instant does a reservation count twice or not at all.

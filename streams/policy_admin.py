@@ -9,13 +9,12 @@ from pathlib import Path
 import yaml
 from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
-
-from schemas.exceptions import PolicyError
-from schemas.policies import Policy, validate_against_catalog
-from schemas.prices import PriceCatalog, load_catalog
-from streams.policybook import read_policies
-from streams.settings import WorkerSettings
-from streams.topics import ensure_topics
+from spendgate.schemas.exceptions import PolicyError
+from spendgate.schemas.policies import Policy, validate_against_catalog
+from spendgate.schemas.prices import PriceCatalog, load_catalog
+from spendgate.streams.policybook import read_policies
+from spendgate.streams.settings import WorkerSettings
+from spendgate.streams.topics import ensure_topics
 
 
 def load_policies(path: Path) -> list[Policy]:

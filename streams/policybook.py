@@ -8,9 +8,8 @@ import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
-
-from schemas.policies import Policy
-from streams.kafka_util import assign, stop
+from spendgate.schemas.policies import Policy
+from spendgate.streams.kafka_util import assign, stop
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
-
-from schemas.types import Boundary
-from streams.ledger import KeyedRecord, Kind
+from spendgate.schemas.types import Boundary
+from spendgate.streams.ledger import KeyedRecord, Kind
 
 __all__ = ["Entry", "RemoteBatch"]
 

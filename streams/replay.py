@@ -17,20 +17,19 @@ from datetime import datetime
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-from schemas import window_codec
-from schemas.alerts import Alert
-from schemas.policies import Policy
-from schemas.prices import load_catalog
-from schemas.redis_keys import window_key
-from schemas.windows import WindowSpec
-from streams.dedupe import IdStore
-from streams.fold import FoldResult, KeyWrite, Rules, UsageRecord, fold_usage
-from streams.kafka_util import assign, partitions, stop
-from streams.ledger import KeyState
-from streams.materialize import RedisMaterializer
-from streams.policybook import read_policies
-from streams.settings import WorkerSettings
+from spendgate.schemas import window_codec
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.prices import load_catalog
+from spendgate.schemas.redis_keys import window_key
+from spendgate.schemas.windows import WindowSpec
+from spendgate.streams.dedupe import IdStore
+from spendgate.streams.fold import FoldResult, KeyWrite, Rules, UsageRecord, fold_usage
+from spendgate.streams.kafka_util import assign, partitions, stop
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.materialize import RedisMaterializer
+from spendgate.streams.policybook import read_policies
+from spendgate.streams.settings import WorkerSettings
 
 Progress = Callable[[int, int], None]
 

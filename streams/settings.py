@@ -6,8 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from schemas.types import Duration, parse_duration_ms
+from spendgate.schemas.types import Duration, parse_duration_ms
 
 
 class WorkerSettings(BaseSettings):

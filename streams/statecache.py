@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from streams.ledger import KeyState
+from spendgate.streams.ledger import KeyState
 
 __all__ = ["StateCache"]
 

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
-
-from schemas.policies import MAX_WINDOW_MS
-from schemas.types import parse_duration_ms
-from streams.exceptions import RetentionTooShortError
-from streams.settings import WorkerSettings
+from spendgate.schemas.policies import MAX_WINDOW_MS
+from spendgate.schemas.types import parse_duration_ms
+from spendgate.streams.exceptions import RetentionTooShortError
+from spendgate.streams.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -8,13 +8,12 @@ import logging
 import signal
 
 from faust.worker import Worker
-
-from streams.app import build_app
-from streams.health import WorkerHealth
-from streams.health_server import HealthServer
-from streams.policybook import read_policies
-from streams.settings import WorkerSettings
-from streams.topics import check_usage, describe_usage, ensure_topics
+from spendgate.streams.app import build_app
+from spendgate.streams.health import WorkerHealth
+from spendgate.streams.health_server import HealthServer
+from spendgate.streams.policybook import read_policies
+from spendgate.streams.settings import WorkerSettings
+from spendgate.streams.topics import check_usage, describe_usage, ensure_topics
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,9 @@ class TestHelp:
 
 
 class TestExports:
-    @pytest.mark.parametrize("package", ["schemas", "streams", "admission"])
+    @pytest.mark.parametrize(
+        "package", ["spendgate.schemas", "spendgate.streams", "spendgate.admission"]
+    )
     def test_all_is_sorted_and_resolves(self, package: str) -> None:
         module = importlib.import_module(package)
         assert module.__all__ == sorted(module.__all__)
@@ -162,6 +164,6 @@ class TestSetup:
 class TestExamples:
     @pytest.mark.parametrize("name", ["policies.yaml", "demo-policies.yaml"])
     def test_every_example_policy_file_applies(self, name: str) -> None:
-        from streams.policy_admin import load_policies
+        from spendgate.streams.policy_admin import load_policies
 
         assert load_policies(ROOT / "examples" / name)

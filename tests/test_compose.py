@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from admission.settings import AdmissionSettings
-from dashboard.settings import DashboardSettings
-from streams.settings import WorkerSettings
+from spendgate.admission.settings import AdmissionSettings
+from spendgate.dashboard.settings import DashboardSettings
+from spendgate.streams.settings import WorkerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 
@@ -79,9 +78,9 @@ class TestImage:
         import tomllib
 
         root = COMPOSE.parent
-        packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
-            "packages"
-        ]
+        folders = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "package-dir"
+        ].values()
         dockerfile = (root / "Dockerfile").read_text().splitlines()
-        for package in packages:
-            assert f"COPY {package} {package}" in dockerfile, package
+        for folder in folders:
+            assert f"COPY {folder} {folder}" in dockerfile, folder

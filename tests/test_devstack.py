@@ -6,8 +6,8 @@ import socket
 from pathlib import Path
 
 import pytest
+from spendgate.schemas.exceptions import ConfigurationError
 
-from schemas.exceptions import ConfigurationError
 from spendgate.devstack import LocalStack, StackSettings
 
 

@@ -10,10 +10,9 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from admission.backpressure import Backpressure
-from admission.exceptions import Overloaded, StoreUnavailable
-from admission.store import BudgetStore
+from spendgate.admission.backpressure import Backpressure
+from spendgate.admission.exceptions import Overloaded, StoreUnavailable
+from spendgate.admission.store import BudgetStore
 
 
 def _overloaded(reason: str) -> float:

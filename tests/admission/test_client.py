@@ -8,12 +8,16 @@ import uuid
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from spendgate.admission.client import AdmissionClient, AsyncAdmissionClient
+from spendgate.admission.exceptions import (
+    AdmissionRequestError,
+    AdmissionUnavailable,
+    BudgetExceeded,
+)
+from spendgate.schemas.events import Usage, parse_event
+from spendgate.schemas.redis_keys import pending_window_key, reservation_key
+from spendgate.streams.materialize import RedisMaterializer
 
-from admission.client import AdmissionClient, AsyncAdmissionClient
-from admission.exceptions import AdmissionRequestError, AdmissionUnavailable, BudgetExceeded
-from schemas.events import Usage, parse_event
-from schemas.redis_keys import pending_window_key, reservation_key
-from streams.materialize import RedisMaterializer
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all

@@ -20,7 +20,9 @@ print(json.dumps(sorted(m for m in {SERVER_DEPENDENCIES!r} if m in sys.modules))
 
 
 class TestClientImports:
-    @pytest.mark.parametrize("module", ["admission.client", "admission"])
+    @pytest.mark.parametrize(
+        "module", ["spendgate.admission.client", "spendgate.admission", "spendgate"]
+    )
     def test_importing_the_client_loads_no_server_dependency(self, module: str) -> None:
         probe = subprocess.run(
             [sys.executable, "-c", PROBE.format(module=module)],
@@ -33,8 +35,9 @@ class TestClientImports:
         assert json.loads(probe.stdout) == []
 
     def test_the_server_names_still_resolve_from_the_package(self) -> None:
-        import admission
-        from admission.store import BudgetStore
+        from spendgate.admission.store import BudgetStore
+
+        from spendgate import admission
 
         assert admission.BudgetStore is BudgetStore
         with pytest.raises(AttributeError, match="no attribute 'nothing'"):

@@ -6,9 +6,8 @@ import time
 
 import httpx
 import pytest
-
-from admission.client import AdmissionClient, AsyncAdmissionClient
-from admission.exceptions import AdmissionUnavailable
+from spendgate.admission.client import AdmissionClient, AsyncAdmissionClient
+from spendgate.admission.exceptions import AdmissionUnavailable
 
 UNKNOWN = {"error": {"code": "outcome_unknown", "message": "no ack in time; retry is safe"}}
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from admission.decide import (
+from spendgate.admission.decide import (
     AdmitResult,
     KeyState,
     Planner,
@@ -17,13 +16,13 @@ from admission.decide import (
     ratelimit_headers,
     unvouched_of,
 )
-from admission.exceptions import BadRequest
-from admission.fallback import DegradedLedger
-from admission.scripts import AdmitTarget, TargetTemplate
-from schemas.decisions import Decision
-from schemas.events import Subject, Usage
-from schemas.matching import targets
-from schemas.policies import Policy
+from spendgate.admission.exceptions import BadRequest
+from spendgate.admission.fallback import DegradedLedger
+from spendgate.admission.scripts import AdmitTarget, TargetTemplate
+from spendgate.schemas.decisions import Decision
+from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.matching import targets
+from spendgate.schemas.policies import Policy
 
 
 def policy(id: str, **fields: Any) -> Policy:  # noqa: A002 - the policy field's name

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from admission.decide import AdmitResult, Charge, KeyState, Plan, PolicyTerms
-from admission.delay import delay_of, waitable_ms
-from schemas.events import Subject
-from schemas.matching import BudgetTarget
-from schemas.policies import Policy
+from spendgate.admission.decide import AdmitResult, Charge, KeyState, Plan, PolicyTerms
+from spendgate.admission.delay import delay_of, waitable_ms
+from spendgate.schemas.events import Subject
+from spendgate.schemas.matching import BudgetTarget
+from spendgate.schemas.policies import Policy
 
 
 def _charge(pid: str, **fields: Any) -> Charge:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from admission.scripts import EXTEND, EXTEND_REPLY_PER_TARGET
-from schemas import window_codec
-from schemas.redis_keys import (
+from spendgate.admission.scripts import EXTEND, EXTEND_REPLY_PER_TARGET
+from spendgate.schemas import window_codec
+from spendgate.schemas.redis_keys import (
     extend_key,
     marks_key,
     pending_reservations_key,
@@ -12,6 +12,7 @@ from schemas.redis_keys import (
     reservation_key,
     window_key,
 )
+
 from tests.fixtures.embedded_lua import LuaServer
 
 BUCKET = 5_000

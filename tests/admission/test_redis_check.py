@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from spendgate.admission.redis_check import durability_problems, warn_if_not_durable
 
-from admission.redis_check import durability_problems, warn_if_not_durable
 from spendgate.devstack import LocalStack, StackSettings
 from tests.fixtures.admission import REDIS_SERVER, free_port
 from tests.fixtures.services import _unavailable
@@ -85,7 +85,7 @@ class TestStartupWarning:
     ) -> None:
         args = [REDIS_SERVER, "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                 "--maxmemory-policy", "volatile-lru"]  # fmt: skip
-        caplog.set_level(logging.WARNING, logger="admission.redis_check")
+        caplog.set_level(logging.WARNING, logger="spendgate.admission.redis_check")
         with redis_server(args) as client:
             problems = await warn_if_not_durable(client)
             await client.aclose()
@@ -99,7 +99,7 @@ class TestStartupWarning:
     ) -> None:
         args = [REDIS_SERVER, "--save", "", "--dir", str(tmp_path),
                 "--rename-command", "CONFIG", '""']  # fmt: skip
-        caplog.set_level(logging.INFO, logger="admission.redis_check")
+        caplog.set_level(logging.INFO, logger="spendgate.admission.redis_check")
         with redis_server(args) as client:
             assert await warn_if_not_durable(client) == []
             await client.aclose()

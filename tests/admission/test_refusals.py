@@ -5,10 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prometheus_client import REGISTRY
-
-from admission.refusals import KafkaRefusals
-from schemas.events import Subject, Usage
-from schemas.refusals import Refusal
+from spendgate.admission.refusals import KafkaRefusals
+from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.refusals import Refusal
 
 
 def _dropped() -> float:

@@ -12,13 +12,20 @@ from datetime import UTC, datetime
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
+from spendgate.admission.publisher import KafkaPublisher
+from spendgate.admission.reserves import reserve_event_from_record
+from spendgate.admission.sweeper import ReserveSweeper
+from spendgate.schemas.events import (
+    CommitEvent,
+    ReserveEvent,
+    Subject,
+    Usage,
+    UsageEvent,
+    parse_event,
+)
+from spendgate.schemas.prices import ModelPrice, PriceCatalog
+from spendgate.schemas.redis_keys import reservation_key, unpublished_reserves_key
 
-from admission.publisher import KafkaPublisher
-from admission.reserves import reserve_event_from_record
-from admission.sweeper import ReserveSweeper
-from schemas.events import CommitEvent, ReserveEvent, Subject, Usage, UsageEvent, parse_event
-from schemas.prices import ModelPrice, PriceCatalog
-from schemas.redis_keys import reservation_key, unpublished_reserves_key
 from tests.fixtures.admission import Admission, MakeAdmission, RecordingPublisher, free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all

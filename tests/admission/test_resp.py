@@ -8,8 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 from redis.exceptions import ResponseError
-
-from admission import resp
+from spendgate.admission import resp
 
 ARGS = st.lists(
     st.one_of(st.binary(max_size=40), st.text(max_size=40), st.integers(-(2**63), 2**63 - 1)),

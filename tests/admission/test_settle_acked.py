@@ -12,9 +12,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from aiokafka import AIOKafkaProducer
 from prometheus_client import REGISTRY
+from spendgate.admission.publisher import KafkaPublisher
+from spendgate.schemas.events import (
+    CommitEvent,
+    ReleaseEvent,
+    ReserveEvent,
+    Subject,
+    Usage,
+    UsageEvent,
+)
 
-from admission.publisher import KafkaPublisher
-from schemas.events import CommitEvent, ReleaseEvent, ReserveEvent, Subject, Usage, UsageEvent
 from tests.fixtures.admission import MakeAdmission, free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all
@@ -156,7 +163,7 @@ class TestKafkaPublisher:
         )
         before = {k: _metric("spendgate_admission_unpublished_at_shutdown_total", kind=k)
                   for k in ("reserve", "commit", "release")}  # fmt: skip
-        caplog.set_level(logging.INFO, logger="admission.publisher")
+        caplog.set_level(logging.INFO, logger="spendgate.admission.publisher")
         pub = KafkaPublisher(dead, "never.usage", 100, retry_s=0.1, ack_timeout_s=0.3,
                              shutdown_s=0.5)  # fmt: skip
         async with pub:
@@ -179,7 +186,7 @@ class TestKafkaPublisher:
         errors = [
             r.getMessage()
             for r in caplog.records
-            if r.levelno == logging.ERROR and r.name == "admission.publisher"
+            if r.levelno == logging.ERROR and r.name == "spendgate.admission.publisher"
         ]
         assert "3 events were not acknowledged" in errors[0]
         assert "commit=1, release=1, reserve=1" in errors[0]

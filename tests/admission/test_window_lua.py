@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 import redis
-
-from admission.window_lua import WINDOW_CHECK_SCRIPT, WINDOW_LUA_LIB
-from schemas.window_codec import decode_pending, encode
-from schemas.windows import (
+from spendgate.admission.window_lua import WINDOW_CHECK_SCRIPT, WINDOW_LUA_LIB
+from spendgate.schemas.window_codec import decode_pending, encode
+from spendgate.schemas.windows import (
     BOUNDARIES,
     MAX_BUCKET_MS,
     Buckets,
@@ -33,6 +32,7 @@ from schemas.windows import (
     retry_after,
     total,
 )
+
 from tests.fixtures.embedded_lua import STRUCT_SHIM, LuaServer
 from tests.fixtures.seeds import derive, rng
 from tests.schemas import reference

@@ -10,20 +10,19 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-
-from admission.auth import OPERATOR, Authorizer
-from dashboard.app import COOKIE, create_app
-from dashboard.feeds import Scraper, TopicFeed
-from dashboard.reader import BudgetReader
-from schemas import window_codec
-from schemas.alerts import Alert
-from schemas.policies import Policy
-from schemas.redis_keys import utilization_key, window_key
-from schemas.refusals import Refusal
-from schemas.windows import WindowSpec
-from streams.fold import KeyWrite
-from streams.ledger import KeyState
-from streams.materialize import RedisMaterializer
+from spendgate.admission.auth import OPERATOR, Authorizer
+from spendgate.dashboard.app import COOKIE, create_app
+from spendgate.dashboard.feeds import Scraper, TopicFeed
+from spendgate.dashboard.reader import BudgetReader
+from spendgate.schemas import window_codec
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.redis_keys import utilization_key, window_key
+from spendgate.schemas.refusals import Refusal
+from spendgate.schemas.windows import WindowSpec
+from spendgate.streams.fold import KeyWrite
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.materialize import RedisMaterializer
 
 pytestmark = pytest.mark.integration
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from admission.auth import Principal
-from dashboard.app import Sessions
-from dashboard.views import key_row, parse_scrape, rates, tenant_of, window_series
-from schemas import window_codec
-from schemas.policies import Policy
+from spendgate.admission.auth import Principal
+from spendgate.dashboard.app import Sessions
+from spendgate.dashboard.views import key_row, parse_scrape, rates, tenant_of, window_series
+from spendgate.schemas import window_codec
+from spendgate.schemas.policies import Policy
 
 MIN = 60_000
 
@@ -125,13 +124,12 @@ class TestStoreDown:
     async def test_an_unreachable_redis_is_a_503_json_error(self) -> None:
         import httpx
         import redis.asyncio as aioredis
-
-        from admission.auth import Authorizer
-        from dashboard.app import create_app
-        from dashboard.feeds import Scraper, TopicFeed
-        from dashboard.reader import BudgetReader
-        from schemas.alerts import Alert
-        from schemas.refusals import Refusal
+        from spendgate.admission.auth import Authorizer
+        from spendgate.dashboard.app import create_app
+        from spendgate.dashboard.feeds import Scraper, TopicFeed
+        from spendgate.dashboard.reader import BudgetReader
+        from spendgate.schemas.alerts import Alert
+        from spendgate.schemas.refusals import Refusal
 
         client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)
         app = create_app(
@@ -165,8 +163,8 @@ class TestTopicFeed:
         ).encode()
 
     def test_keeps_the_latest_and_counts_a_retried_refusal_once(self) -> None:
-        from dashboard.feeds import TopicFeed
-        from schemas.refusals import Refusal
+        from spendgate.dashboard.feeds import TopicFeed
+        from spendgate.schemas.refusals import Refusal
 
         feed = TopicFeed(
             "127.0.0.1:1", "t", Refusal, 3, identity=lambda r: f"{r.subject.tenant}|{r.request_id}"

@@ -22,10 +22,10 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from spendgate.schemas.deadletter import DeadLetter
+from spendgate.streams.kafka_util import assign, partitions, stop
+from spendgate.streams.settings import WorkerSettings
 
-from schemas.deadletter import DeadLetter
-from streams.kafka_util import assign, partitions, stop
-from streams.settings import WorkerSettings
 from tests.fixtures import seeds
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
@@ -308,7 +308,7 @@ class TestRetention:
         policy_factory: PolicyFactory,
         tmp_path: Path,
     ) -> None:
-        from streams.policy_admin import publish_policies
+        from spendgate.streams.policy_admin import publish_policies
 
         admin = AIOKafkaAdminClient(bootstrap_servers=worker_settings.kafka_bootstrap)
         await admin.start()

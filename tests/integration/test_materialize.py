@@ -10,20 +10,20 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
-
-from schemas import window_codec
-from schemas.redis_keys import (
+from spendgate.schemas import window_codec
+from spendgate.schemas.redis_keys import (
     pending_reservations_key,
     pending_window_key,
     utilization_key,
     window_key,
     window_version_key,
 )
-from schemas.windows import WindowSpec
-from streams.fold import KeyWrite
-from streams.ledger import KeyState
-from streams.materialize import RedisMaterializer
-from streams.settings import WorkerSettings
+from spendgate.schemas.windows import WindowSpec
+from spendgate.streams.fold import KeyWrite
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.materialize import RedisMaterializer
+from spendgate.streams.settings import WorkerSettings
+
 from tests.fixtures.admission import MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.monitor import Call, monitored

@@ -22,12 +22,12 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
+from spendgate.schemas.policies import Policy
+from spendgate.streams.kafka_util import assign, partitions, stop
+from spendgate.streams.settings import WorkerSettings
+from spendgate.streams.topics import ensure_topics
 
-from schemas.policies import Policy
 from spendgate.simulate import simulate
-from streams.kafka_util import assign, partitions, stop
-from streams.settings import WorkerSettings
-from streams.topics import ensure_topics
 from tests.fixtures.kafka_io import produce
 from tests.fixtures.seeds import RUN_SEED
 from tests.schemas import reference
@@ -222,8 +222,8 @@ def redis_state(client: redis.Redis, prefix: str) -> dict[bytes, bytes | None]:
 def seed_redis(client: redis.Redis, prefix: str) -> dict[bytes, bytes | None]:
     """Keys of every type under ``prefix``, among them the windows and the pending window
     of the draft's own keys (what a simulate that wrote would touch); their state."""
-    from schemas import window_codec
-    from schemas.redis_keys import pending_window_key, window_key
+    from spendgate.schemas import window_codec
+    from spendgate.schemas.redis_keys import pending_window_key, window_key
 
     for tenant in TENANTS:
         key = f"draft-tenant|tenant={tenant}"

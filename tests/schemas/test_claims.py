@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-
-from schemas.events import parse_event
+from spendgate.schemas.events import parse_event
 
 _BASE: dict[str, Any] = {
     "schema_version": 1,

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-from schemas.events import parse_event
-from schemas.fastdecode import Event, _fast, decode, from_model
+from spendgate.schemas.events import parse_event
+from spendgate.schemas.fastdecode import Event, _fast, decode, from_model
 
 
 def view(event: Event) -> tuple[Any, ...]:

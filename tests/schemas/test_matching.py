@@ -6,9 +6,16 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from schemas import MissingGroupByField, Policy, PolicyIndex, Subject, budget_key, matches, targets
-from schemas.matching import parse_key
+from spendgate.schemas import (
+    MissingGroupByField,
+    Policy,
+    PolicyIndex,
+    Subject,
+    budget_key,
+    matches,
+    targets,
+)
+from spendgate.schemas.matching import parse_key
 
 NASTY = "|=%{}\"'\\"
 values = st.text(

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
-
-import schemas
-from schemas import (
+from spendgate.schemas import (
     AdjustEvent,
     AdmitRequest,
     Alert,
@@ -39,7 +37,9 @@ from schemas import (
     dead_letter,
     parse_event,
 )
-from schemas.status import PartitionStatus, StackStatus, TopologyCounts, WorkerLag
+from spendgate.schemas.status import PartitionStatus, StackStatus, TopologyCounts, WorkerLag
+
+from spendgate import schemas
 
 AT = "2025-01-02T03:04:05.678Z"
 EVENT: dict[str, Any] = {"event_id": "e1", "subject": {"tenant": "acme"}, "occurred_at": AT}
@@ -120,7 +120,7 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
 def public_models() -> set[type[BaseModel]]:
     found: set[type[BaseModel]] = set()
     for info in pkgutil.iter_modules(schemas.__path__):
-        module = importlib.import_module(f"schemas.{info.name}")
+        module = importlib.import_module(f"spendgate.schemas.{info.name}")
         for name, obj in vars(module).items():
             if (
                 inspect.isclass(obj)

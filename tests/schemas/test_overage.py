@@ -7,8 +7,13 @@ from fractions import Fraction
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from schemas.overage import MAX_RATIO_MILLI, OverageMark, factor_milli, ratio_milli, scaled
+from spendgate.schemas.overage import (
+    MAX_RATIO_MILLI,
+    OverageMark,
+    factor_milli,
+    ratio_milli,
+    scaled,
+)
 
 
 class TestRatio:

@@ -8,9 +8,8 @@ from fractions import Fraction
 
 from hypothesis import example, given
 from hypothesis import strategies as st
-
-from schemas.window_codec import decode_pending, pending_field
-from schemas.windows import BOUNDARIES, WindowSpec, combine, merge, retry_after
+from spendgate.schemas.window_codec import decode_pending, pending_field
+from spendgate.schemas.windows import BOUNDARIES, WindowSpec, combine, merge, retry_after
 
 # Example counts come from the hypothesis profiles in tests/conftest.py (CI=true: 2000).
 

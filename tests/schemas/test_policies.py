@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-
-from schemas import (
+from spendgate.schemas import (
     MissingGroupByField,
     ModelPrice,
     Policy,

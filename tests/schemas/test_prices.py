@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from schemas import (
+from spendgate.schemas import (
     ConfigurationError,
     ModelPrice,
     PriceCatalog,
@@ -18,7 +17,7 @@ from schemas import (
     cost_micros,
     load_catalog,
 )
-from schemas.types import MAX_AMOUNT
+from spendgate.schemas.types import MAX_AMOUNT
 
 
 def price(inp: int, out: int, cached: int | None = None) -> ModelPrice:

@@ -5,8 +5,15 @@ from __future__ import annotations
 from aiokafka.partitioner import murmur2 as kafka_murmur2
 from hypothesis import given
 from hypothesis import strategies as st
+from spendgate.schemas.shards import (
+    Topology,
+    keyed_mark,
+    murmur2,
+    partition_for,
+    tenant_scoped,
+    usage_mark,
+)
 
-from schemas.shards import Topology, keyed_mark, murmur2, partition_for, tenant_scoped, usage_mark
 from tests.fixtures.factories import PolicyFactory
 
 

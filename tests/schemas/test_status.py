@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from schemas.shards import Topology
-from schemas.status import classify, parse_int, parse_lag
+from spendgate.schemas.shards import Topology
+from spendgate.schemas.status import classify, parse_int, parse_lag
 
 NOW = 1_800_000_000_000
 BOUND = 30_000

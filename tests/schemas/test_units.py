@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from schemas import (
+from spendgate.schemas import (
     ModelPrice,
     Policy,
     PriceCatalog,
@@ -16,7 +15,7 @@ from schemas import (
     Usage,
     amount,
 )
-from schemas.types import MAX_AMOUNT
+from spendgate.schemas.types import MAX_AMOUNT
 
 USAGE = Usage(requests=1, input_tokens=100, cached_input_tokens=40, output_tokens=7, gpu_ms=2500)
 SONNET = ModelPrice(

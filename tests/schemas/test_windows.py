@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from schemas.windows import (
+from spendgate.schemas.windows import (
     MAX_BUCKET_MS,
     Boundary,
     Buckets,

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from schemas.window_codec import decode, encode
-from schemas.windows import (
+from spendgate.schemas.window_codec import decode, encode
+from spendgate.schemas.windows import (
     BOUNDARIES,
     Boundary,
     Buckets,
@@ -28,6 +27,7 @@ from schemas.windows import (
     retry_after,
     total,
 )
+
 from tests.fixtures.seeds import RUN_SEED
 from tests.schemas import reference
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from streams.alerting import evaluate
-from streams.ledger import KeyedRecord, KeyState, apply
+from spendgate.streams.alerting import evaluate
+from spendgate.streams.ledger import KeyedRecord, KeyState, apply
 
 OFFSETS = itertools.count()
 

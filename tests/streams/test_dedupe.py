@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from schemas.policies import Policy
-from streams.dedupe import IdStore, Position, event_digest, settled_digest
-from streams.fanout import fan_out
+from spendgate.schemas.policies import Policy
+from spendgate.streams.dedupe import IdStore, Position, event_digest, settled_digest
+from spendgate.streams.fanout import fan_out
 
 HOUR = 3_600_000
 

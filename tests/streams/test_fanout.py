@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemas.policies import Policy
-from streams.dedupe import Position
-from streams.fanout import fan_out
+from spendgate.schemas.policies import Policy
+from spendgate.streams.dedupe import Position
+from spendgate.streams.fanout import fan_out
 
 NOW_MS = 1_800_000_000_000
 POLICIES = [

@@ -11,23 +11,22 @@ from typing import Any
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from schemas import window_codec
-from schemas.alerts import Alert
-from schemas.policies import Policy
-from schemas.shards import tenant_scoped
-from streams.alerting import evaluate
-from streams.dedupe import IdStore, Position
-from streams.fanout import fan_out
-from streams.fold import (
+from spendgate.schemas import window_codec
+from spendgate.schemas.alerts import Alert
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.shards import tenant_scoped
+from spendgate.streams.alerting import evaluate
+from spendgate.streams.dedupe import IdStore, Position
+from spendgate.streams.fanout import fan_out
+from spendgate.streams.fold import (
     KeyedMessage,
     Rules,
     UsageRecord,
     fold_keyed,
     fold_usage,
 )
-from streams.ledger import KeyedRecord, KeyState, apply
-from streams.remote import RemoteBatch
+from spendgate.streams.ledger import KeyedRecord, KeyState, apply
+from spendgate.streams.remote import RemoteBatch
 
 BASE_MS = 1_800_000_000_000
 SKEW_MS = 300_000

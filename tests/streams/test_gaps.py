@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streams.gaps import Positions, missing_range
+from spendgate.streams.gaps import Positions, missing_range
 
 
 class TestMissingRange:

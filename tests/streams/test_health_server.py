@@ -7,9 +7,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter
-
-from streams.health import PartitionHealth, WorkerHealth
-from streams.health_server import HealthServer
+from spendgate.streams.health import PartitionHealth, WorkerHealth
+from spendgate.streams.health_server import HealthServer
 
 
 @pytest.fixture

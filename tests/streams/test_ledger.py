@@ -6,9 +6,8 @@ import itertools
 from typing import Any
 
 import orjson
-
-from schemas import window_codec
-from streams.ledger import Hold, KeyedRecord, KeyState, apply
+from spendgate.schemas import window_codec
+from spendgate.streams.ledger import Hold, KeyedRecord, KeyState, apply
 
 OFFSETS = itertools.count(1)
 

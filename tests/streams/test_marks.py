@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from streams.marks import Claim, Watermarks
+from spendgate.streams.marks import Claim, Watermarks
 
 F = "usage:0"
 K = "keyed:0"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streams.ledger import KeyState
-from streams.statecache import StateCache
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.statecache import StateCache
 
 
 def state(buckets: int) -> KeyState:
