@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from spendgate.admission.auth import Authorizer, Principal
 from spendgate.admission.decide import (
     AdmitResult,
@@ -66,7 +68,6 @@ from spendgate.schemas.overage import factor_milli, scaled
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
 from spendgate.schemas.refusals import Refusal
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["AdmitEndpoint", "AdmitService", "bearer"]
 

@@ -24,6 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
+
 from spendgate.admission.admit import DEFAULT_DELAY_WAITERS, AdmitEndpoint, AdmitService
 from spendgate.admission.auth import Authorizer, Principal
 from spendgate.admission.bodies import (
@@ -75,8 +78,6 @@ from spendgate.schemas.forecast import forecast
 from spendgate.schemas.prices import PriceCatalog
 from spendgate.schemas.types import SUBJECT_FIELDS
 from spendgate.schemas.windows import WindowSpec
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
 

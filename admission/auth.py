@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
 from spendgate.admission.exceptions import Forbidden, Unauthorized
 from spendgate.schemas.exceptions import ConfigurationError
 

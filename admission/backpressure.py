@@ -21,6 +21,7 @@ import asyncio
 from collections import deque
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from spendgate.admission.exceptions import Overloaded
 from spendgate.admission.metrics import OVERLOADED
 

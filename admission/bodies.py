@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from spendgate.schemas.decisions import BudgetStatus, UnvouchedState
 from spendgate.schemas.events import Usage
 from spendgate.schemas.types import Identifier

@@ -48,6 +48,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
+
 from spendgate.admission.exceptions import (
     AdmissionRequestError,
     AdmissionUnavailable,

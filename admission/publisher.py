@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
+
 from spendgate.admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES, UNPUBLISHED_AT_SHUTDOWN
 from spendgate.schemas.events import UsageEvent, partition_key
 

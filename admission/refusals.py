@@ -27,6 +27,7 @@ from typing import Protocol
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
+
 from spendgate.admission.metrics import REFUSALS
 from spendgate.admission.publisher import start_producer
 from spendgate.schemas.events import partition_key

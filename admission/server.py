@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
 from spendgate.admission.app import create_app
 from spendgate.admission.auth import Authorizer, load_tokens
 from spendgate.admission.backpressure import Backpressure

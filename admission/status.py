@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+
 from spendgate.schemas.redis_keys import (
     mark_owners_key,
     mark_progress_key,

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from spendgate.admission import resp
 from spendgate.admission.backpressure import Backpressure
 from spendgate.admission.decide import (

@@ -24,6 +24,7 @@ from collections import deque
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
 from spendgate.admission.metrics import RESERVES_REPUBLISHED, RESERVES_UNRECOVERABLE
 from spendgate.admission.publisher import UsagePublisher
 from spendgate.admission.reserves import reserve_event_from_record

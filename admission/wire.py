@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from spendgate.admission.exceptions import (
     AdmissionError,
     PayloadTooLarge,
     UnsupportedMediaType,
     Unvouched,
 )
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "BodyGuard",

@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+
 from spendgate.admission.server import uvicorn_options
 
 

@@ -131,6 +131,7 @@ async def raw_consume(s: Any, parse: bool = False) -> tuple[int, float]:
     """Read the whole usage topic with a plain aiokafka consumer (as replay configures it);
     return (records, seconds). ``parse``: also ``json.loads`` every value."""
     from aiokafka import AIOKafkaConsumer
+
     from spendgate.streams.kafka_util import assign, partitions, stop
 
     consumer = AIOKafkaConsumer(

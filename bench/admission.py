@@ -228,6 +228,7 @@ async def _prepare(
     """Topics, the policies in Redis, and a 60-bucket (dense) window on every key used
     (``policies``: those instead of ``budgets``' policies, model ``ms``)."""
     import redis.asyncio as aioredis
+
     from spendgate.schemas import window_codec
     from spendgate.schemas.events import Subject
     from spendgate.schemas.matching import PolicyIndex

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.events = 5_000
     import orjson
+
     from spendgate.schemas.policies import Policy
     from spendgate.streams.alerting import evaluate
     from spendgate.streams.dedupe import IdStore, Position

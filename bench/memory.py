@@ -107,6 +107,7 @@ def _state(buckets: list[int], per_bucket: int, flow: str, rng: random.Random) -
 def _v1_value(state: Any) -> bytes:
     """``state`` in the version 1 JSON layout, without the event ids version 1 also kept."""
     import orjson
+
     from spendgate.streams.ledger import KeyState, _hold_json
 
     value = orjson.dumps(
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.disk_keys = 20
     import redis
+
     from spendgate.schemas import window_codec
     from spendgate.schemas.redis_keys import window_key
     from spendgate.streams.ledger import STATE_VERSION, KeyState

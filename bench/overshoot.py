@@ -140,6 +140,7 @@ async def _fixed_window(
 
 async def _prefill(rid: str, tenants: list[str], used: int) -> None:
     import redis.asyncio as aioredis
+
     from spendgate.schemas import window_codec
     from spendgate.schemas.policies import Policy
     from spendgate.schemas.redis_keys import window_key

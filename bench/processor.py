@@ -239,6 +239,7 @@ async def _freshness(s: Any, probes: int, seconds: float) -> dict[str, Any]:
     """Probe events on their own key: produced -> in Redis, and produced -> consumable."""
     import redis.asyncio as aioredis
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
     from spendgate.schemas import window_codec
     from spendgate.schemas.redis_keys import window_key
     from spendgate.streams.kafka_util import partitions, stop

@@ -129,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _simulate(s: object) -> tuple[int, int, float]:
     """Time ``spendgate simulate`` over the benchmark's topic with its policies as draft."""
-    from spendgate.streams.policybook import read_policies
-
     from spendgate.simulate import simulate
+    from spendgate.streams.policybook import read_policies
 
     draft = list((await read_policies(s.kafka_bootstrap, s.topic("policies"))).values())  # type: ignore[attr-defined]
     t0 = time.perf_counter()

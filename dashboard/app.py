@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
 from spendgate.admission.auth import ANYONE, Authorizer, Principal
 from spendgate.admission.exceptions import Unauthorized
 from spendgate.admission.wire import error_content
@@ -21,11 +27,6 @@ from spendgate.schemas.alerts import Alert
 from spendgate.schemas.matching import budget_key, parse_key
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.refusals import Refusal
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "spendgate_session"

@@ -14,6 +14,7 @@ import httpx
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ValidationError
+
 from spendgate.dashboard.views import Scrape, parse_scrape, rates
 from spendgate.streams.kafka_util import assign, partitions, stop
 

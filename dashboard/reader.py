@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+
 from spendgate.dashboard.views import KeyRow, key_row, tenant_of, window_series
 from spendgate.schemas.matching import parse_key
 from spendgate.schemas.policies import Policy

@@ -10,6 +10,8 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 import uvicorn
+from starlette.applications import Starlette
+
 from spendgate.admission.auth import Authorizer, load_tokens
 from spendgate.dashboard.app import create_app
 from spendgate.dashboard.feeds import Scraper, TopicFeed
@@ -17,7 +19,6 @@ from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.settings import DashboardSettings
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.refusals import Refusal
-from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
 from spendgate.schemas import window_codec, windows
 from spendgate.schemas.forecast import forecast
 from spendgate.schemas.matching import is_exact, parse_key

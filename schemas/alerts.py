@@ -7,6 +7,7 @@ import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from spendgate.schemas.events import UtcDatetime
 from spendgate.schemas.policies import Threshold
 from spendgate.schemas.types import MAX_AMOUNT, PolicyId, SignedAmount

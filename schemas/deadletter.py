@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from spendgate.schemas.events import UtcDatetime
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.types import Amount, Identifier, Unit
 

@@ -14,6 +14,7 @@ from pydantic import (
     TypeAdapter,
     model_validator,
 )
+
 from spendgate.schemas.types import Amount, Identifier, SignedAmount, SubjectValue, epoch_ms
 
 

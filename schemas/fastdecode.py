@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
 from spendgate.schemas.events import (
     AdjustEvent,
     ReleaseEvent,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import TypeAdapter
+
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.deadletter import DeadLetter
 from spendgate.schemas.decisions import AdmitRequest, Decision

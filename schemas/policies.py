@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
 from spendgate.schemas.burst import BurstSpec
 from spendgate.schemas.exceptions import PolicyError
 from spendgate.schemas.types import (

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from spendgate.schemas.events import SignedUsage, Usage
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.types import Amount, ModelPattern

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from spendgate.schemas.shards import Topology
 
 MarkState = Literal["vouched", "stale", "missing"]

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
+
 from spendgate.schemas.alerts import Alert
 from spendgate.streams.kafka_util import assign, partitions, stop
 

@@ -25,6 +25,7 @@ import faust
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from faust.streams import _current_event
+
 from spendgate.schemas.deadletter import dead_letter
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog

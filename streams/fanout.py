@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
+
 from spendgate.schemas.events import UsageEvent, parse_event
 from spendgate.schemas.exceptions import SpendgateError
 from spendgate.schemas.matching import targets

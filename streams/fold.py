@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple, cast
 
 import orjson
 from pydantic import ValidationError
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.events import Usage

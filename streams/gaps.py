@@ -17,6 +17,7 @@ from __future__ import annotations
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import ConsumerRecord
+
 from spendgate.streams.kafka_util import assign, stop
 
 __all__ = ["Positions", "committed_offset", "missing_range", "read_range"]

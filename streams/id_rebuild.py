@@ -6,6 +6,7 @@ import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
+
 from spendgate.schemas.events import parse_event
 from spendgate.schemas.exceptions import SpendgateError
 from spendgate.streams import metrics

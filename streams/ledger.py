@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 import orjson
+
 from spendgate.schemas import window_codec, windows
 from spendgate.schemas.events import ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
 from spendgate.schemas.matching import BudgetTarget

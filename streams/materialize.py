@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
+
 from spendgate.schemas import window_codec, windows
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
+
 from spendgate.schemas.exceptions import PolicyError
 from spendgate.schemas.policies import Policy, validate_against_catalog
 from spendgate.schemas.prices import PriceCatalog, load_catalog

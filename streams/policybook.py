@@ -8,6 +8,7 @@ import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
+
 from spendgate.schemas.policies import Policy
 from spendgate.streams.kafka_util import assign, stop
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
 from spendgate.schemas.types import Boundary
 from spendgate.streams.ledger import KeyedRecord, Kind
 

@@ -17,6 +17,7 @@ from datetime import datetime
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from spendgate.schemas.types import Duration, parse_duration_ms
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
+
 from spendgate.schemas.policies import MAX_WINDOW_MS
 from spendgate.schemas.types import parse_duration_ms
 from spendgate.streams.exceptions import RetentionTooShortError

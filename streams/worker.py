@@ -8,6 +8,7 @@ import logging
 import signal
 
 from faust.worker import Worker
+
 from spendgate.streams.app import build_app
 from spendgate.streams.health import WorkerHealth
 from spendgate.streams.health_server import HealthServer

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from spendgate.admission.settings import AdmissionSettings
 from spendgate.dashboard.settings import DashboardSettings
 from spendgate.streams.settings import WorkerSettings

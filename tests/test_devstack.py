@@ -6,9 +6,9 @@ import socket
 from pathlib import Path
 
 import pytest
-from spendgate.schemas.exceptions import ConfigurationError
 
 from spendgate.devstack import LocalStack, StackSettings
+from spendgate.schemas.exceptions import ConfigurationError
 
 
 class TestLocalStack:

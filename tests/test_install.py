@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -40,9 +41,16 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], Path]
     """The top-level entries ``pip install .`` added to a fresh venv (no dependencies:
     only this project's own files are judged), and that venv."""
     tmp = tmp_path_factory.mktemp("install")
+    # A copy of the working tree: setuptools builds in place (build/, *.egg-info).
+    source = tmp / "source"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "node_modules"),
+    )
     wheels = tmp / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(source)],
         check=True,
         capture_output=True,
         timeout=300,

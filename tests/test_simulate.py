@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import orjson
+
 from spendgate.admission.decide import Planner
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.policies import Policy
-
 from spendgate.simulation import Merged, Simulation, caveats, judge
 
 

@@ -8,9 +8,9 @@ import time
 import uuid
 
 import pytest
+
 from spendgate.schemas.prices import ModelPrice, PriceCatalog
 from spendgate.schemas.redis_keys import request_key
-
 from tests.fixtures.admission import MakeAdmission, RecordingPublisher
 from tests.fixtures.factories import PolicyFactory
 

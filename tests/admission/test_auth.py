@@ -7,9 +7,9 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from spendgate.admission.auth import OPERATOR, Authorizer, load_tokens
 from spendgate.schemas.exceptions import ConfigurationError
-
 from tests.fixtures.admission import Admission, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.services import Services
@@ -140,10 +140,10 @@ class TestTokensNeverLogged:
 
         import httpx
         import uvicorn
+
         from spendgate.admission.server import build_app, uvicorn_options
         from spendgate.admission.settings import AdmissionSettings
         from spendgate.streams.materialize import RedisMaterializer
-
         from tests.fixtures.admission import TOPOLOGY, VOUCHED, free_port
 
         good, unknown = "tok-live-a-7f3c9e", "tok-unknown-2b8d41"

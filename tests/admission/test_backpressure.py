@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from spendgate.admission.backpressure import Backpressure
 from spendgate.admission.exceptions import Overloaded, StoreUnavailable
 from spendgate.admission.store import BudgetStore

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 import pytest
-from spendgate.schemas.redis_keys import burst_key
 
+from spendgate.schemas.redis_keys import burst_key
 from tests.fixtures.admission import MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 

@@ -8,7 +8,6 @@ import random
 
 from spendgate.admission.burst_lua import BURST_CHECK_SCRIPT, BURST_LUA_LIB
 from spendgate.schemas.burst import BurstSpec, BurstState, check, decode_state, encode_state, take
-
 from tests.fixtures.embedded_lua import LuaServer
 from tests.fixtures.seeds import derive
 

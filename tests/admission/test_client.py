@@ -8,6 +8,7 @@ import uuid
 import httpx
 import pytest
 import redis.asyncio as aioredis
+
 from spendgate.admission.client import AdmissionClient, AsyncAdmissionClient
 from spendgate.admission.exceptions import (
     AdmissionRequestError,
@@ -17,7 +18,6 @@ from spendgate.admission.exceptions import (
 from spendgate.schemas.events import Usage, parse_event
 from spendgate.schemas.redis_keys import pending_window_key, reservation_key
 from spendgate.streams.materialize import RedisMaterializer
-
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all

@@ -35,9 +35,8 @@ class TestClientImports:
         assert json.loads(probe.stdout) == []
 
     def test_the_server_names_still_resolve_from_the_package(self) -> None:
-        from spendgate.admission.store import BudgetStore
-
         from spendgate import admission
+        from spendgate.admission.store import BudgetStore
 
         assert admission.BudgetStore is BudgetStore
         with pytest.raises(AttributeError, match="no attribute 'nothing'"):

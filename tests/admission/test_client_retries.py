@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+
 from spendgate.admission.client import AdmissionClient, AsyncAdmissionClient
 from spendgate.admission.exceptions import AdmissionUnavailable
 

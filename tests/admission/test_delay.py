@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from spendgate.admission.client import AsyncAdmissionClient
 
+from spendgate.admission.client import AsyncAdmissionClient
 from tests.fixtures.admission import Admission, LiveServer, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 

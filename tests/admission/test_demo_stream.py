@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from spendgate.streams.policy_admin import load_policies
 
 from spendgate.demo import _stream_and_overage
+from spendgate.streams.policy_admin import load_policies
 from tests.fixtures.admission import MakeAdmission
 
 pytestmark = pytest.mark.integration

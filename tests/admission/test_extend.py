@@ -8,12 +8,12 @@ from typing import Any
 
 import httpx
 import pytest
+
 from spendgate.admission.auth import Authorizer, Grant
 from spendgate.schemas.events import ExtendEvent
 from spendgate.schemas.overage import OverageMark
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import overage_key, pending_reservations_key
-
 from tests.fixtures.admission import Admission, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 

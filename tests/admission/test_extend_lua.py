@@ -12,7 +12,6 @@ from spendgate.schemas.redis_keys import (
     reservation_key,
     window_key,
 )
-
 from tests.fixtures.embedded_lua import LuaServer
 
 BUCKET = 5_000

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import REGISTRY
+
 from spendgate.admission.fallback import DegradedLedger
 from spendgate.admission.publisher import KafkaPublisher
-
 from tests.fixtures.admission import MakeAdmission, OwnRedis, RecordingPublisher
 from tests.fixtures.factories import PolicyFactory
 

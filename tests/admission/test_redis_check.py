@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
-from spendgate.admission.redis_check import durability_problems, warn_if_not_durable
 
+from spendgate.admission.redis_check import durability_problems, warn_if_not_durable
 from spendgate.devstack import LocalStack, StackSettings
 from tests.fixtures.admission import REDIS_SERVER, free_port
 from tests.fixtures.services import _unavailable

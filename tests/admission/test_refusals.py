@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prometheus_client import REGISTRY
+
 from spendgate.admission.refusals import KafkaRefusals
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.refusals import Refusal

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
+
 from spendgate.admission.publisher import KafkaPublisher
 from spendgate.admission.reserves import reserve_event_from_record
 from spendgate.admission.sweeper import ReserveSweeper
@@ -25,7 +26,6 @@ from spendgate.schemas.events import (
 )
 from spendgate.schemas.prices import ModelPrice, PriceCatalog
 from spendgate.schemas.redis_keys import reservation_key, unpublished_reserves_key
-
 from tests.fixtures.admission import Admission, MakeAdmission, RecordingPublisher, free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all

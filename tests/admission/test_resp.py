@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 from redis.exceptions import ResponseError
+
 from spendgate.admission import resp
 
 ARGS = st.lists(

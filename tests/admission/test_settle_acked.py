@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from aiokafka import AIOKafkaProducer
 from prometheus_client import REGISTRY
+
 from spendgate.admission.publisher import KafkaPublisher
 from spendgate.schemas.events import (
     CommitEvent,
@@ -21,7 +22,6 @@ from spendgate.schemas.events import (
     Usage,
     UsageEvent,
 )
-
 from tests.fixtures.admission import MakeAdmission, free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all

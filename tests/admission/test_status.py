@@ -12,13 +12,13 @@ import asyncio
 import pytest
 import redis
 import redis.asyncio as aioredis
+
 from spendgate.admission.auth import Authorizer
 from spendgate.admission.status import read_status, read_status_sync
+from spendgate.demo import wait_until_decidable
 from spendgate.schemas.redis_keys import mark_owners_key, mark_progress_key, marks_key, topology_key
 from spendgate.schemas.shards import partition_for, usage_mark
 from spendgate.streams.materialize import RedisMaterializer
-
-from spendgate.demo import wait_until_decidable
 from tests.fixtures.admission import (
     TOPOLOGY,
     VOUCHED,

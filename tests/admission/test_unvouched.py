@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import REGISTRY
+
 from spendgate.schemas.redis_keys import marks_key
 from spendgate.schemas.shards import keyed_mark, partition_for
 from spendgate.streams.materialize import RedisMaterializer
-
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, Admission, MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 

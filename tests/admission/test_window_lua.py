@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import redis
+
 from spendgate.admission.window_lua import WINDOW_CHECK_SCRIPT, WINDOW_LUA_LIB
 from spendgate.schemas.window_codec import decode_pending, encode
 from spendgate.schemas.windows import (
@@ -32,7 +33,6 @@ from spendgate.schemas.windows import (
     retry_after,
     total,
 )
-
 from tests.fixtures.embedded_lua import STRUCT_SHIM, LuaServer
 from tests.fixtures.seeds import derive, rng
 from tests.schemas import reference

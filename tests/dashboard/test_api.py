@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
+
 from spendgate.admission.auth import OPERATOR, Authorizer
 from spendgate.dashboard.app import COOKIE, create_app
 from spendgate.dashboard.feeds import Scraper, TopicFeed

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from spendgate.schemas.policies import Policy
 
+from spendgate.schemas.policies import Policy
 from tests.fixtures.dashboard import StartStack, wait_for
 
 pytestmark = pytest.mark.integration

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from spendgate.admission.auth import Principal
 from spendgate.dashboard.app import Sessions
 from spendgate.dashboard.views import key_row, parse_scrape, rates, tenant_of, window_series
@@ -124,6 +125,7 @@ class TestStoreDown:
     async def test_an_unreachable_redis_is_a_503_json_error(self) -> None:
         import httpx
         import redis.asyncio as aioredis
+
         from spendgate.admission.auth import Authorizer
         from spendgate.dashboard.app import create_app
         from spendgate.dashboard.feeds import Scraper, TopicFeed

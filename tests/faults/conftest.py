@@ -24,10 +24,10 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.policies import Policy
 from spendgate.streams.materialize import RedisMaterializer
-
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, free_port
 from tests.fixtures.services import Services
 

@@ -30,12 +30,12 @@ from typing import cast
 import httpx
 import pytest
 import redis
+
+from spendgate.devstack import LocalStack, StackSettings
 from spendgate.schemas.events import parse_event
 from spendgate.schemas.redis_keys import unpublished_reserves_key
 from spendgate.streams.policy_admin import publish_policies
 from spendgate.streams.settings import WorkerSettings
-
-from spendgate.devstack import LocalStack, StackSettings
 from tests.faults.conftest import AdmissionProcs, FaultRecord, read_buckets, read_topic
 from tests.fixtures.admission import free_port
 from tests.fixtures.consumption import wait_consumed

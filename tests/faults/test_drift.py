@@ -18,10 +18,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.redis_keys import window_key
 from spendgate.streams.settings import WorkerSettings
-
 from tests.faults.conftest import FaultRecord
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory

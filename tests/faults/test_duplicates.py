@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 from aiokafka import AIOKafkaProducer
-from spendgate.streams.settings import WorkerSettings
 
+from spendgate.streams.settings import WorkerSettings
 from tests.faults.conftest import FaultRecord, compare, read_buckets
 from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory

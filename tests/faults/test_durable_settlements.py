@@ -29,16 +29,16 @@ from pathlib import Path
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer
+
 from spendgate.admission.client import AsyncAdmissionClient
 from spendgate.admission.exceptions import AdmissionClientError
+from spendgate.devstack import LocalStack, StackSettings
 from spendgate.schemas.events import parse_event
 from spendgate.schemas.policies import Policy
 from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.fanout import fan_out
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.ledger import KeyState, apply
-
-from spendgate.devstack import LocalStack, StackSettings
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory

@@ -18,10 +18,10 @@ import pytest
 import redis
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.events import Subject
 from spendgate.schemas.matching import budget_key
 from spendgate.schemas.policies import Policy
-
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.services import Services

@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 import redis
+
 from spendgate.schemas.deadletter import MAX_ORIGINAL_BYTES, DeadLetter
 from spendgate.schemas.redis_keys import unpublished_reserves_key
 from spendgate.streams.replay import replay
 from spendgate.streams.settings import WorkerSettings
-
 from tests.faults.conftest import (
     AdmissionProcs,
     FaultRecord,

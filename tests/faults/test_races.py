@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.redis_keys import pending_window_key, window_key
 from spendgate.schemas.windows import WindowSpec
-
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.seeds import rng as seeded

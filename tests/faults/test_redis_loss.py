@@ -31,11 +31,11 @@ from typing import Any
 import httpx
 import pytest
 import redis
+
 from spendgate.schemas.policies import Policy
 from spendgate.streams.policy_admin import publish_policies
 from spendgate.streams.replay import replay
 from spendgate.streams.settings import WorkerSettings
-
 from tests.faults.conftest import (
     AdmissionProcs,
     FaultRecord,

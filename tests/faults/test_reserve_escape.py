@@ -25,6 +25,7 @@ import httpx
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
+
 from spendgate.schemas.events import ReserveEvent, parse_event
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import unpublished_reserves_key
@@ -32,7 +33,6 @@ from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.fanout import fan_out
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.ledger import KeyState, apply
-
 from tests.faults.conftest import AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory

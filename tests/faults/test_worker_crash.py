@@ -17,8 +17,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
-from spendgate.streams.settings import WorkerSettings
 
+from spendgate.streams.settings import WorkerSettings
 from tests.faults.conftest import FaultRecord, compare
 from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory

@@ -12,9 +12,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 import redis
+
 from spendgate.schemas.events import CommitEvent, Subject, Usage
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, pending_sum, produce
 from tests.fixtures.pipeline import ApplyPolicies

@@ -13,8 +13,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 from schemathesis.core.parameters import ParameterLocation
-from spendgate.streams.materialize import RedisMaterializer
 
+from spendgate.streams.materialize import RedisMaterializer
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
 

@@ -22,10 +22,10 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
 from spendgate.schemas.deadletter import DeadLetter
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures import seeds
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory

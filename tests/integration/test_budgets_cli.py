@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import redis
-from spendgate.streams.settings import WorkerSettings
 
 from spendgate.budgets import top_budgets
+from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, produce, window_sum
 from tests.fixtures.pipeline import ApplyPolicies

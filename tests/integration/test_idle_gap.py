@@ -17,9 +17,9 @@ from collections import Counter
 
 import httpx
 import pytest
+
 from spendgate.schemas.shards import partition_for
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.factories import CommitFactory, PolicyFactory
 from tests.fixtures.kafka_io import produce
 from tests.fixtures.pipeline import ApplyPolicies, Workers

@@ -18,13 +18,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
+
 from spendgate.schemas.redis_keys import mark_owners_key, mark_progress_key, marks_key, topology_key
 from spendgate.schemas.shards import Topology, partition_for
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.marks import Claim
 from spendgate.streams.materialize import MarkWrite, RedisMaterializer
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, produce, window_sum
 from tests.fixtures.pipeline import ApplyPolicies, all_marked

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.redis_keys import (
     pending_reservations_key,
@@ -23,7 +24,6 @@ from spendgate.streams.fold import KeyWrite
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.admission import MakeAdmission
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.monitor import Call, monitored

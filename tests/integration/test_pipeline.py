@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from spendgate.streams.settings import WorkerSettings
 
+from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.factories import CommitFactory, PolicyFactory
 from tests.fixtures.kafka_io import eventually, pending_sum, produce, window_sum
 from tests.fixtures.pipeline import ApplyPolicies

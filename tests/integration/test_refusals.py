@@ -13,14 +13,14 @@ import httpx
 import pytest
 import redis
 from aiokafka import AIOKafkaProducer, ConsumerRecord
+
 from spendgate.admission.refusals import KafkaRefusals
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.refusals import Refusal, RefusalGap
+from spendgate.simulate import simulate
 from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.topics import ensure_topics
-
-from spendgate.simulate import simulate
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import (
     buckets,

@@ -22,12 +22,12 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
+
 from spendgate.schemas.policies import Policy
+from spendgate.simulate import simulate
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.topics import ensure_topics
-
-from spendgate.simulate import simulate
 from tests.fixtures.kafka_io import produce
 from tests.fixtures.seeds import RUN_SEED
 from tests.schemas import reference

@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 import redis
+
 from spendgate.admission.client import AsyncAdmissionClient
 from spendgate.schemas.events import Usage
 from spendgate.schemas.redis_keys import window_key
 from spendgate.streams.replay import replay
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.admission import free_port
 from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory

@@ -44,12 +44,12 @@ import httpx
 import pytest
 import redis
 from annotated_types import Ge
+
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import mark_owners_key, mark_progress_key, marks_key
 from spendgate.schemas.shards import partition_for
 from spendgate.streams.policy_admin import publish_policies
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.pipeline import Workers
 from tests.fixtures.seeds import RUN_SEED
 

@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 import redis
+
 from spendgate.schemas.deadletter import DeadLetter
 from spendgate.schemas.redis_keys import window_key
 from spendgate.streams.replay import replay
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, produce, read_alerts, read_all, window_sum

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import redis
+
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import window_key
 from spendgate.streams.replay import replay
 from spendgate.streams.settings import WorkerSettings
-
 from tests.fixtures.consumption import assignments, wait_consumed
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import buckets, eventually, produce

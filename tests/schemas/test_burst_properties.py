@@ -12,6 +12,7 @@ from fractions import Fraction
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.burst import (
     BurstSpec,
     BurstState,

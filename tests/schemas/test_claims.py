@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+
 from spendgate.schemas.events import parse_event
 
 _BASE: dict[str, Any] = {

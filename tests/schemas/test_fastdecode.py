@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from spendgate.schemas.events import parse_event
 from spendgate.schemas.fastdecode import Event, _fast, decode, from_model
 

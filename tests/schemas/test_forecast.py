@@ -12,9 +12,9 @@ import math
 import random
 
 import pytest
+
 from spendgate.schemas.forecast import forecast
 from spendgate.schemas.windows import WindowSpec
-
 from tests.fixtures.seeds import RUN_SEED
 from tests.schemas import reference
 

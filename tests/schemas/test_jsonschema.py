@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from spendgate.schemas.jsonschema import export, rendered
 
 from spendgate import schemas
+from spendgate.schemas.jsonschema import export, rendered
 
 CHECKED_IN = Path(schemas.__file__).parent / "json"
 HINT = "JSON Schema out of date: run `spendgate schema export` and commit schemas/json/"

@@ -6,6 +6,7 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas import (
     MissingGroupByField,
     Policy,

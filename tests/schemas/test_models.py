@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
+
+from spendgate import schemas
 from spendgate.schemas import (
     AdjustEvent,
     AdmitRequest,
@@ -38,8 +40,6 @@ from spendgate.schemas import (
     parse_event,
 )
 from spendgate.schemas.status import PartitionStatus, StackStatus, TopologyCounts, WorkerLag
-
-from spendgate import schemas
 
 AT = "2025-01-02T03:04:05.678Z"
 EVENT: dict[str, Any] = {"event_id": "e1", "subject": {"tenant": "acme"}, "occurred_at": AT}

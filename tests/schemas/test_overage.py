@@ -7,6 +7,7 @@ from fractions import Fraction
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.overage import (
     MAX_RATIO_MILLI,
     OverageMark,

@@ -8,6 +8,7 @@ from fractions import Fraction
 
 from hypothesis import example, given
 from hypothesis import strategies as st
+
 from spendgate.schemas.window_codec import decode_pending, pending_field
 from spendgate.schemas.windows import BOUNDARIES, WindowSpec, combine, merge, retry_after
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiokafka.partitioner import murmur2 as kafka_murmur2
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.shards import (
     Topology,
     keyed_mark,
@@ -13,7 +14,6 @@ from spendgate.schemas.shards import (
     tenant_scoped,
     usage_mark,
 )
-
 from tests.fixtures.factories import PolicyFactory
 
 

@@ -8,6 +8,7 @@ import struct
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.window_codec import (
     HEADER_SIZE,
     KIND_DENSE,

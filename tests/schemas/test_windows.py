@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from spendgate.schemas.windows import (
     MAX_BUCKET_MS,
     Boundary,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
 from spendgate.schemas.window_codec import decode, encode
 from spendgate.schemas.windows import (
     BOUNDARIES,
@@ -27,7 +28,6 @@ from spendgate.schemas.windows import (
     retry_after,
     total,
 )
-
 from tests.fixtures.seeds import RUN_SEED
 from tests.schemas import reference
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.windows import BOUNDARIES, WindowSpec, retry_after, settle, total
 from spendgate.streams.fold import _may_outgrow
 from spendgate.streams.ledger import KeyedRecord, KeyState, apply
-
 from tests.schemas import reference
 
 OFFSETS = itertools.count(1)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.schemas.policies import Policy
 from spendgate.streams.dedupe import IdStore, Position, event_digest, settled_digest
 from spendgate.streams.fanout import fan_out

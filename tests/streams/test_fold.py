@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from spendgate.schemas import window_codec
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter
+
 from spendgate.streams.health import PartitionHealth, WorkerHealth
 from spendgate.streams.health_server import HealthServer
 

@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 import orjson
+
 from spendgate.schemas import window_codec
 from spendgate.streams.ledger import Hold, KeyedRecord, KeyState, apply
 

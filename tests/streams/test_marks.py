@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from spendgate.streams.marks import Claim, Watermarks
 
 F = "usage:0"
