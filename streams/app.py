@@ -48,8 +48,9 @@ from spendgate.streams.id_rebuild import rebuild_ids
 from spendgate.streams.kafka_util import OffsetReader
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.marks import Watermarks
-from spendgate.streams.materialize import MarkReply, MarkWrite, RedisMaterializer
+from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
+from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.statecache import StateCache
 

@@ -23,7 +23,8 @@ from spendgate.schemas.redis_keys import mark_owners_key, mark_progress_key, mar
 from spendgate.schemas.shards import Topology, partition_for
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.marks import Claim
-from spendgate.streams.materialize import MarkWrite, RedisMaterializer
+from spendgate.streams.materialize import RedisMaterializer
+from spendgate.streams.scripts.mark import MarkWrite
 from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, produce, window_sum

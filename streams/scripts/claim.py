@@ -1,0 +1,71 @@
+"""CLAIM's contract (``claim.lua``): a fencing token per mark field, and what Redis holds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spendgate.schemas.luascript import load
+from spendgate.streams.marks import Claim
+
+__all__ = ["SCRIPT", "ClaimArgs", "ClaimReply", "decode_optional_int"]
+
+SCRIPT = load("spendgate.streams.scripts", "claim")
+
+
+def decode_optional_int(raw: int | bytes | str) -> int | None:
+    """An integer the scripts return as text, ``""`` for missing (None)."""
+    return None if raw in (b"", "") else int(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimArgs:
+    """One CLAIM call.
+
+    Attributes:
+        owners_key: the marks' owners (``redis_keys.mark_owners_key``).
+        marks_key: the marks (``redis_keys.marks_key``).
+        positions_key: the marks' positions (``redis_keys.mark_positions_key``).
+        presence_key: this worker's presence mark (set by the claim).
+        fields: the mark fields claimed.
+    """
+
+    owners_key: str
+    marks_key: str
+    positions_key: str
+    presence_key: str
+    fields: Sequence[str]
+
+    def keys(self) -> list[str]:
+        """KEYS: owners, marks, positions, presence."""
+        return [self.owners_key, self.marks_key, self.positions_key, self.presence_key]
+
+    def argv(self) -> list[bytes | str | int]:
+        """ARGV: the fields, in order."""
+        return list(self.fields)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimReply:
+    """What CLAIM answered: one :class:`~spendgate.streams.marks.Claim` per field, in the
+    order of :attr:`ClaimArgs.fields` (its new token, the mark Redis holds and the position
+    written with it; None when missing)."""
+
+    claims: tuple[Claim, ...]
+
+    @classmethod
+    def decode(cls, raw: Sequence[int | bytes | str]) -> ClaimReply:
+        """The script's flat reply, three values per field.
+
+        Raises:
+            ValueError: the reply's length is not a multiple of three.
+        """
+        if len(raw) % 3:
+            raise ValueError(f"claim reply: {len(raw)} values, not three per field")
+        claims = []
+        for i in range(0, len(raw), 3):
+            token, mark, position = raw[i : i + 3]
+            claims.append(
+                Claim(int(token), decode_optional_int(mark), decode_optional_int(position))
+            )
+        return cls(tuple(claims))
