@@ -36,7 +36,8 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from spendgate.admission.fallback import DegradedLedger, strictest
-from spendgate.admission.scripts import TargetTemplate
+from spendgate.admission.scripts.admit import AdmitResult, KeyState, TargetTemplate
+from spendgate.admission.scripts.codes import FAILURE_MODES, ON_EXCEED, Outcome, State
 from spendgate.schemas.burst import BurstSpec, full_after_ms
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.exceptions import MissingGroupByField, UnitError
@@ -74,15 +75,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Outcome = Literal["reject", "allow", "cap", "observe_reject", "unvouched"]
-#: Whether Redis holds a window the worker vouches for (see ``schemas.shards``).
-State = Literal["vouched", "stale", "missing"]
 #: Printable ASCII kept as is in the ``Spendgate-Model`` header; the rest is %-encoded.
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
-#: The script's ``on_exceed`` codes: downgrade and route are both "try the alternative";
-#: delay refuses in the script (the waiting is the caller's, see ``admission.delay``).
-_ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2, "route": 2, "delay": 0}
-_FAILURE = {"closed": 0, "open": 1, "degraded": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +129,8 @@ class PolicyTerms:
                 boundary=policy.boundary,
                 reservation_ttl_ms=ttl_ms,
                 observe=policy.mode == "observe",
-                on_exceed=_ON_EXCEED[policy.on_exceed],
-                failure=_FAILURE[policy.failure],
+                on_exceed=ON_EXCEED[policy.on_exceed],
+                failure=FAILURE_MODES[policy.failure],
                 burst=burst.encode() if burst is not None else "",
             ),
             burst=burst,
@@ -191,35 +185,6 @@ class Plan:
     subject: Subject
     charges: tuple[Charge, ...]
     kind: PlanKind = "asked"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyState:
-    """One key as the decision saw it."""
-
-    used: int
-    reserved: int
-    own: int
-    violated: bool
-    reset_after_ms: int
-    state: State = "vouched"
-    #: With a ``burst``: whole tokens left and ms until the bucket is full again.
-    burst: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitResult:
-    """What the admit script decided, with the state of each key of the reported plan."""
-
-    replayed: bool
-    outcome: Outcome
-    now_ms: int
-    retry_after_ms: int | None
-    never_fits: bool
-    reservation_id: str
-    plan: int
-    max_output_tokens: int | None
-    keys: tuple[KeyState, ...]
 
 
 @dataclass(frozen=True, slots=True)

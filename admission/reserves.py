@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
 from spendgate.schemas.events import ReserveEvent, Subject, Usage
+from spendgate.schemas.redis_values import ReservationRecord
 
 __all__ = ["DEFAULT_TTL_MS", "reserve_event", "reserve_event_from_record"]
 
@@ -51,10 +52,6 @@ def reserve_event(
     )
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def reserve_event_from_record(
     reservation_id: str, record: Mapping[bytes, bytes] | Mapping[str, str]
 ) -> ReserveEvent | None:
@@ -62,21 +59,20 @@ def reserve_event_from_record(
 
     Args:
         reservation_id: the reservation.
-        record: the fields of its hash (``schemas.redis_keys.reservation_key``).
+        record: the fields of its hash (``schemas.redis_values.ReservationRecord``).
 
     Returns:
         The same event the admit path published (same id, same JSON), or None when the
         record is gone (expired) or predates the fields the event is rebuilt from.
     """
-    fields = {_text(k): _text(v) for k, v in record.items()}
-    if not {"subject", "usage", "at", "out", "ttl"} <= fields.keys():
+    found = ReservationRecord.decode(record)
+    if found is None:
         return None
-    out = int(fields["out"])
     return reserve_event(
-        Subject.model_validate_json(fields["subject"]),
-        Usage.model_validate_json(fields["usage"]),
+        Subject.model_validate_json(found.subject_json),
+        Usage.model_validate_json(found.usage_json),
         reservation_id,
-        int(fields["at"]),
-        int(fields["ttl"]),
-        out if out >= 0 else None,
+        found.at_ms,
+        found.ttl_ms,
+        found.max_output_tokens,
     )

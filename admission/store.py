@@ -6,8 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -20,23 +19,19 @@ from spendgate.admission.decide import (
     CapTerms,
     Charge,
     KeyState,
-    Outcome,
     Plan,
     PolicyTerms,
-    State,
 )
 from spendgate.admission.exceptions import Overloaded, StoreUnavailable
 from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
-from spendgate.admission.scripts import (
-    ADMIT,
-    ADMIT_REPLY_PER_TARGET,
-    EXTEND,
-    EXTEND_REPLY_PER_TARGET,
-    SETTLE,
-    AdmitHeader,
-    encode_deps,
-)
-from spendgate.schemas import window_codec, windows
+from spendgate.admission.scripts import admit as admit_script
+from spendgate.admission.scripts import extend as extend_script
+from spendgate.admission.scripts import settle as settle_script
+from spendgate.admission.scripts.admit import AdmitCall, AdmitHeader, encode_deps
+from spendgate.admission.scripts.codes import FAILURE_MODES
+from spendgate.admission.scripts.extend import ExtendArgs, ExtendResult, ExtendTarget
+from spendgate.admission.scripts.settle import SettleArgs, SettleResult
+from spendgate.schemas import window_codec
 from spendgate.schemas.events import Subject, Usage, partition_key
 from spendgate.schemas.overage import OverageMark
 from spendgate.schemas.policies import Policy
@@ -55,6 +50,7 @@ from spendgate.schemas.redis_keys import (
     unpublished_reserves_key,
     window_key,
 )
+from spendgate.schemas.redis_values import SUBJECT_FIELD
 from spendgate.schemas.shards import Topology, partition_for, usage_mark
 
 __all__ = [
@@ -75,57 +71,12 @@ IDEMPOTENCY_TTL_MS = 24 * 3_600_000
 #: A reservation record outlives its longest TTL by this, so a late commit still finds it.
 RECORD_GRACE_MS = 3_600_000
 
-#: The script's outcome codes (4, "try downgrade", never leaves the script).
-_OUTCOMES: dict[int, Outcome] = {
-    0: "reject",
-    1: "allow",
-    2: "cap",
-    3: "observe_reject",
-    5: "unvouched",
-}
-_STATES: tuple[State, ...] = ("vouched", "stale", "missing")
 #: A mark field no worker writes: without a topology every window counts as missing.
 _NO_TOPOLOGY = "topology-unknown"
 _STORE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 #: Mark dependencies remembered per budget key (cleared when full or the topology changes).
 _DEPS_MEMORY = 100_000
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class SettleResult:
-    """The record of a settled reservation: ``status`` ok, missing or conflict."""
-
-    status: Literal["ok", "missing", "conflict"]
-    subject: Subject | None
-    settled_as: str | None = None
-
-
-#: The extend script's outcome codes.
-ExtendOutcome = Literal["reject", "allow", "unvouched", "missing", "settled"]
-_EXTEND_OUTCOMES: dict[int, ExtendOutcome] = {
-    0: "reject",
-    1: "allow",
-    5: "unvouched",
-    6: "missing",
-    7: "settled",
-}
-_FAILURE_CODES = {"closed": 0, "open": 1, "degraded": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class ExtendResult:
-    """What the extend script decided: ``now_ms`` is the extend's instant (Redis clock;
-    the first answer's, for a repeat), ``keys`` one state per charge, in order."""
-
-    replayed: bool
-    outcome: ExtendOutcome
-    now_ms: int
-    keys: tuple[KeyState, ...]
-
-
-def _text(value: bytes | str | int) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class BudgetStore:
@@ -155,9 +106,9 @@ class BudgetStore:
         self.backpressure = backpressure or Backpressure(
             slots=32, queue=1024, wait_s=1.0, timeout_s=0.25
         )
-        self._admit_sha = client.register_script(ADMIT).sha
-        self._settle = client.register_script(SETTLE)
-        self._extend = client.register_script(EXTEND)
+        self._admit_sha = admit_script.SCRIPT.sha
+        self._settle = client.register_script(settle_script.SCRIPT.source)
+        self._extend = client.register_script(extend_script.SCRIPT.source)
         self._policies: list[Policy] | None = None
         self._version: bytes | str | None = None
         #: The partition counts the worker's marks refer to (None: not known yet).
@@ -278,39 +229,37 @@ class BudgetStore:
                 stand, and a retry with the same request id returns it.
         """
         prefix = self.prefix
-        keys = [
+        call = AdmitCall(
             request_key(prefix, plans[0].subject.tenant, request_id),
             reservation_key(prefix, reservation_id),
             unpublished_reserves_key(prefix),
             marks_key(prefix),
-        ]
+        )
         record_ttl_ms = RECORD_GRACE_MS
-        args: list[int | str] = []
         marks: dict[str, int] = {}
         for plan in plans:
             subject = plan.subject
-            args += [subject.model_dump_json(exclude_defaults=True), len(plan.charges)]
+            call.plan(subject.model_dump_json(exclude_defaults=True), len(plan.charges))
             for charge in plan.charges:
                 key = charge.target.key
                 terms = charge.terms or PolicyTerms.of(charge.target.policy)
-                keys += [
-                    window_key(prefix, key),
-                    pending_window_key(prefix, key),
-                    pending_reservations_key(prefix, key),
-                ]
-                if terms.burst is not None:
-                    keys.append(burst_key(prefix, key))
                 ttl_ms = terms.reservation_ttl_ms + RECORD_GRACE_MS
                 if ttl_ms > record_ttl_ms:
                     record_ttl_ms = ttl_ms
                 cap = charge.cap
-                args += terms.template.argv(
-                    charge.amount,
-                    charge.alt + 1 if charge.alt else 0,
-                    cap.s,
-                    cap.r,
-                    cap.d,
-                    self._deps(marks, terms, key, subject),
+                call.target(
+                    window_key(prefix, key),
+                    pending_window_key(prefix, key),
+                    pending_reservations_key(prefix, key),
+                    burst_key(prefix, key) if terms.burst is not None else None,
+                    terms.template.argv(
+                        charge.amount,
+                        charge.alt + 1 if charge.alt else 0,
+                        cap.s,
+                        cap.r,
+                        cap.d,
+                        self._deps(marks, terms, key, subject),
+                    ),
                 )
         usage = estimate if estimate is not None else Usage(output_tokens=estimate_output_tokens)
         header = AdmitHeader(
@@ -324,11 +273,12 @@ class BudgetStore:
             staleness_ms=self.staleness_ms,
             marks=tuple(marks),
         )
-        args = header.argv() + args
+        keys, args = call.finish(header)
+        source = admit_script.SCRIPT.source
         raw = await self._call(
-            "admit", lambda: resp.evalsha(self.client, self._admit_sha, ADMIT, keys, args)
+            "admit", lambda: resp.evalsha(self.client, self._admit_sha, source, keys, args)
         )
-        return _result(raw)
+        return AdmitResult.decode(raw)
 
     def _deps(self, marks: dict[str, int], terms: PolicyTerms, key: str, subject: Subject) -> str:
         """The ``deps`` entry of ``key``: the 1-based indexes into ``marks`` (grown as
@@ -372,7 +322,7 @@ class BudgetStore:
             Overloaded: this process is saturated.
         """
         key = reservation_key(self.prefix, reservation_id)
-        raw = await self._call("reservation", lambda: self.client.hget(key, "subject"))
+        raw = await self._call("reservation", lambda: self.client.hget(key, SUBJECT_FIELD))
         return None if raw is None else Subject.model_validate_json(raw)
 
     async def settle(self, reservation_id: str, kind: str) -> SettleResult:
@@ -382,15 +332,9 @@ class BudgetStore:
             StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated.
         """
-        key = reservation_key(self.prefix, reservation_id)
-        status, subject = await self._call("settle", lambda: self._settle(keys=[key], args=[kind]))
-        text = _text(status)
-        if text == "missing":
-            return SettleResult("missing", None)
-        parsed = Subject.model_validate_json(subject)
-        if text.startswith("conflict:"):
-            return SettleResult("conflict", parsed, text.removeprefix("conflict:"))
-        return SettleResult("ok", parsed)
+        call = SettleArgs(reservation_key(self.prefix, reservation_id), kind)
+        raw = await self._call("settle", lambda: self._settle(keys=call.keys(), args=call.argv()))
+        return SettleResult.decode(raw)
 
     async def extend(
         self, entry: str, reservation_id: str, seq: int, subject: Subject, charges: Sequence[Charge]
@@ -409,51 +353,39 @@ class BudgetStore:
             Overloaded: this process is saturated.
         """
         prefix = self.prefix
-        keys = [
-            extend_key(prefix, reservation_id, seq),
-            reservation_key(prefix, reservation_id),
-            marks_key(prefix),
-        ]
         marks: dict[str, int] = {}
-        targets: list[int | str] = [len(charges)]
+        targets = []
         for charge in charges:
             key = charge.target.key
             policy = charge.target.policy
             terms = charge.terms or PolicyTerms.of(policy)
-            keys += [
-                window_key(prefix, key),
-                pending_window_key(prefix, key),
-                pending_reservations_key(prefix, key),
-            ]
-            targets += [
-                policy.limit,
-                terms.window_ms,
-                policy.bucket_ms,
-                policy.boundary,
-                charge.amount,
-                int(policy.mode == "observe"),
-                _FAILURE_CODES[policy.failure],
-                self._deps(marks, terms, key, subject),
-            ]
-        args: list[int | str] = [entry, IDEMPOTENCY_TTL_MS, self.staleness_ms, len(marks)]
-        args += [*marks, *targets]
-        raw = await self._call("extend", lambda: self._extend(keys=keys, args=args))
-        replayed, outcome, now_ms, n, *rest = raw
-        per = EXTEND_REPLY_PER_TARGET
-        states = tuple(
-            KeyState(
-                used=int(rest[i]),
-                reserved=int(rest[i + 1]),
-                own=int(rest[i + 2]),
-                violated=bool(int(rest[i + 3])),
-                reset_after_ms=int(rest[i + 4]),
-                state=_STATES[int(rest[i + 5])],
+            targets.append(
+                ExtendTarget(
+                    window_key=window_key(prefix, key),
+                    pending_window_key=pending_window_key(prefix, key),
+                    pending_reservations_key=pending_reservations_key(prefix, key),
+                    limit=policy.limit,
+                    window_ms=terms.window_ms,
+                    bucket_ms=policy.bucket_ms,
+                    boundary=policy.boundary,
+                    amount=charge.amount,
+                    observe=policy.mode == "observe",
+                    failure=FAILURE_MODES[policy.failure],
+                    deps=self._deps(marks, terms, key, subject),
+                )
             )
-            for i in range(0, int(n) * per, per)
+        call = ExtendArgs(
+            answer_key=extend_key(prefix, reservation_id, seq),
+            record_key=reservation_key(prefix, reservation_id),
+            marks_key=marks_key(prefix),
+            entry=entry,
+            answer_ttl_ms=IDEMPOTENCY_TTL_MS,
+            staleness_ms=self.staleness_ms,
+            marks=tuple(marks),
+            targets=tuple(targets),
         )
-        return ExtendResult(
-            bool(int(replayed)), _EXTEND_OUTCOMES[int(outcome)], int(now_ms), states
-        )
+        raw = await self._call("extend", lambda: self._extend(keys=call.keys(), args=call.argv()))
+        return ExtendResult.decode(raw)
 
     async def buckets(self, keys: Sequence[tuple[str, int]]) -> list[dict[int, int]]:
         """Each (budget key, bucket width)'s absorbed window plus its pending reservations,
@@ -472,17 +404,10 @@ class BudgetStore:
             return list(await pipe.execute())
 
         raw = await self._call("windows", read)
-        out = []
-        for i, (_, bucket_ms) in enumerate(keys):
-            window, pending = raw[2 * i], raw[2 * i + 1]
-            absorbed: dict[int, int] = {}
-            if isinstance(window, bytes):
-                decoded = window_codec.decode(window)
-                absorbed = dict(decoded.buckets)
-                if decoded.bucket_ms != bucket_ms:
-                    absorbed = windows.rebucket(absorbed, decoded.bucket_ms, bucket_ms)
-            out.append(windows.merge(absorbed, window_codec.decode_pending(pending, bucket_ms)))
-        return out
+        return [
+            window_codec.read_held(raw[2 * i], raw[2 * i + 1], bucket_ms)
+            for i, (_, bucket_ms) in enumerate(keys)
+        ]
 
     async def overage_marks(self, keys: Sequence[str]) -> list[OverageMark | None]:
         """The last overage of each budget key (``schemas.overage``), None where none.
@@ -498,40 +423,3 @@ class BudgetStore:
     async def ping(self) -> bool:
         """True when Redis answers."""
         return bool(await self._call("ping", self.client.ping))
-
-
-def _result(raw: list[bytes | int]) -> AdmitResult:
-    """Decode the admit script's reply (layout in ``admission.scripts.ADMIT``)."""
-    replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
-    retry = int(retry)
-    count = int(n)
-    # An answer stored before the state entry existed has one entry less per key.
-    per = ADMIT_REPLY_PER_TARGET if len(rest) >= count * ADMIT_REPLY_PER_TARGET else 5
-    # Then the keys with a token bucket (absent from answers stored before bursts).
-    bursts: dict[int, tuple[int, int]] = {}
-    tail = rest[count * per :]
-    for i in range(1, 1 + 3 * int(tail[0]) if tail else 1, 3):
-        bursts[int(tail[i]) - 1] = (int(tail[i + 1]), int(tail[i + 2]))
-    states = tuple(
-        KeyState(
-            used=int(rest[i]),
-            reserved=int(rest[i + 1]),
-            own=int(rest[i + 2]),
-            violated=bool(int(rest[i + 3])),
-            reset_after_ms=int(rest[i + 4]),
-            state=_STATES[int(rest[i + 5])] if per > 5 else "vouched",
-            burst=bursts.get(i // per),
-        )
-        for i in range(0, count * per, per)
-    )
-    return AdmitResult(
-        replayed=bool(int(replayed)),
-        outcome=_OUTCOMES[int(outcome)],
-        now_ms=int(now_ms),
-        retry_after_ms=retry if retry >= 0 else None,
-        never_fits=retry == -2,
-        reservation_id=_text(rid),
-        plan=int(plan) - 1,
-        max_output_tokens=int(max_out) if int(max_out) >= 0 else None,
-        keys=states,
-    )

@@ -28,7 +28,8 @@ from redis.exceptions import RedisError
 from spendgate.admission.metrics import RESERVES_REPUBLISHED, RESERVES_UNRECOVERABLE
 from spendgate.admission.publisher import UsagePublisher
 from spendgate.admission.reserves import reserve_event_from_record
-from spendgate.admission.scripts import CLAIM_UNPUBLISHED
+from spendgate.admission.scripts import claim_unpublished
+from spendgate.admission.scripts.claim_unpublished import ClaimArgs, ClaimReply
 from spendgate.schemas.events import ReserveEvent, UsageEvent
 from spendgate.schemas.redis_keys import reservation_key, unpublished_reserves_key
 
@@ -72,7 +73,7 @@ class ReserveSweeper:
         self.grace_s = grace_s
         self.interval_s = interval_s
         self.batch = batch
-        self._claim = client.register_script(CLAIM_UNPUBLISHED)
+        self._claim = client.register_script(claim_unpublished.SCRIPT.source)
         self._key = unpublished_reserves_key(prefix)
         self._acked: deque[str] = deque(maxlen=ACKED_BACKLOG)
         self._wakeup = asyncio.Event()
@@ -115,15 +116,14 @@ class ReserveSweeper:
             RedisError: Redis did not answer.
         """
         republished = 0
-        cutoff = ""
+        cutoff: int | None = None
         while True:
             batch = self._room()
             if batch == 0:
                 break
-            reply = await self._claim(
-                keys=[self._key], args=[int(self.grace_s * 1000), batch, cutoff]
-            )
-            cutoff, *claimed = (v.decode() if isinstance(v, bytes) else str(v) for v in reply)
+            call = ClaimArgs(self._key, int(self.grace_s * 1000), batch, cutoff)
+            reply = ClaimReply.decode(await self._claim(keys=call.keys(), args=call.argv()))
+            cutoff, claimed = reply.cutoff, list(reply.claimed)
             if not claimed:
                 break
             acked, published = await self._republish(claimed)

@@ -62,17 +62,7 @@ def held(policy: Policy, window: bytes | None, pending: Mapping[Any, Any], now_m
     """``key``'s absorbed and pending buckets combined at ``now_ms`` (``windows.Held``)."""
     spec = spec_of(policy)
     live = window_codec.decode_pending(pending, spec.bucket_ms)
-    return windows.combine(spec, absorbed_of(spec, window), live, now_ms)
-
-
-def absorbed_of(spec: WindowSpec, window: bytes | None) -> dict[int, int]:
-    """The buckets the worker wrote, in the policy's bucket width."""
-    if not window:
-        return {}
-    decoded = window_codec.decode(window)
-    if decoded.bucket_ms != spec.bucket_ms:  # re-bucketed since the window was written
-        return windows.rebucket(decoded.buckets, decoded.bucket_ms, spec.bucket_ms)
-    return decoded.buckets
+    return windows.combine(spec, window_codec.read(window, spec.bucket_ms), live, now_ms)
 
 
 def key_row(
@@ -113,7 +103,7 @@ def window_series(
     absorbed and the pending amount) and the trailing total at each bucket's end, with
     the limit; times are ms on the Redis clock."""
     spec = spec_of(policy)
-    absorbed = absorbed_of(spec, window)
+    absorbed = window_codec.read(window, spec.bucket_ms)
     pending_b = window_codec.decode_pending(pending, spec.bucket_ms)
     h = held(policy, window, pending, now_ms)
     head = spec.bucket_of(now_ms)

@@ -3,7 +3,7 @@
 A bucket holds at most ``capacity`` tokens and refills continuously at ``rate`` tokens per
 ``per_ms``. The level is kept scaled by ``per_ms`` (``tokens * per_ms``), so a refill of
 ``elapsed_ms`` adds exactly ``elapsed_ms * rate`` and every quantity is an integer: the
-Lua twin (``admission.burst_lua``) computes the same numbers with doubles, exact below
+Lua twin (``schemas/burst.lua``) computes the same numbers with doubles, exact below
 2**53 (the policy refuses a ``capacity * per`` beyond it).
 
 A missing state is a full bucket: the stored state expires when the bucket would be full,

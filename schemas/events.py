@@ -99,6 +99,10 @@ class SignedUsage(_Amounts):
     cost_usd_micros: SignedAmount | None = None
 
 
+#: Every event's ``kind``, as each record of the usage topic carries it.
+EventKind = Literal["reserve", "extend", "commit", "release", "adjust"]
+
+
 class _Event(_Frozen):
     schema_version: Literal[1] = 1
     event_id: Identifier

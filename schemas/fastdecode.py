@@ -20,6 +20,7 @@ from msgspec import Meta, Struct
 
 from spendgate.schemas.events import (
     AdjustEvent,
+    EventKind,
     ReleaseEvent,
     ReserveEvent,
     SignedUsage,
@@ -32,7 +33,8 @@ from spendgate.schemas.types import MAX_AMOUNT
 
 __all__ = ["Event", "FastSubject", "FastUsage", "Kind", "decode", "from_model"]
 
-Kind = Literal["reserve", "extend", "commit", "release", "adjust"]
+#: The kinds of event (one table: ``schemas.events.EventKind``).
+Kind = EventKind
 
 _Ident = Annotated[str, Meta(min_length=1, max_length=200)]
 _Amount = Annotated[int, Meta(ge=0, le=MAX_AMOUNT)]

@@ -7,7 +7,7 @@ in Redis; the present while the worker is caught up). A field exists only while 
 worker vouches for every window of its partition: it is written once those windows are
 written or restored, and a loss of Redis data takes it away with them. The admission
 script reads the fields a request's keys depend on, in the same atomic step as its
-decision (``admission.scripts.ADMIT``).
+decision (``admission/scripts/admit.lua``).
 
 Partitions are found the way the Kafka producers place records: murmur2 of the record key,
 like the Java client's and aiokafka's default partitioner. A usage record is keyed by its

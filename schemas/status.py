@@ -2,7 +2,7 @@
 
 The answer of ``GET /v1/status`` (``admission.status`` reads Redis and calls
 :func:`classify`). A mark field (``schemas.shards``: ``usage:<p>``, ``keyed:<p>``) is
-classified exactly as the admit script classifies it (``admission.scripts.ADMIT``):
+classified exactly as the admit script classifies it (``admission/scripts/admit.lua``):
 
 - ``missing``: no field in the marks hash (no worker vouches for the partition: none ran,
   or Redis lost its data and the worker has not restored and caught up);

@@ -1,7 +1,7 @@
 """Compact binary layout of one budget key's buckets, shared by RocksDB values and Redis.
 
 The same bytes are a RocksDB table value in the stream processor and a Redis string
-that the admission Lua script decodes with ``struct.unpack`` (``admission/window_lua.py``).
+that the admission Lua script decodes with ``struct.unpack`` (``schemas/window.lua``).
 All integers are little-endian. Layout, version 1::
 
     offset size  type  field
@@ -41,6 +41,8 @@ import struct
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from spendgate.schemas.windows import merge, rebucket
+
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
@@ -52,6 +54,8 @@ __all__ = [
     "decode_pending",
     "encode",
     "pending_field",
+    "read",
+    "read_held",
 ]
 
 FORMAT_VERSION = 1
@@ -197,3 +201,32 @@ def decode_pending(
         start = last - last % bucket_ms
         buckets[start] = buckets.get(start, 0) + int(value)
     return {start: amount for start, amount in buckets.items() if amount}
+
+
+def read(raw: bytes | None, bucket_ms: int | None) -> dict[int, int]:
+    """The absorbed window a Redis string holds, in buckets of ``bucket_ms``: what every
+    reader counts (the admit script's ``window_decode`` reads it the same way).
+
+    Args:
+        raw: the value (``GET``), None or empty for a missing key (an empty window).
+        bucket_ms: the policy's bucket width now; a value written in another width (the
+            policy's bucket changed since) is moved as ``windows.rebucket`` does. None:
+            the buckets as written.
+
+    Raises:
+        ValueError: the bytes are not a valid value (see :func:`decode`).
+    """
+    if not raw:
+        return {}
+    decoded = decode(raw)
+    if bucket_ms is not None and decoded.bucket_ms != bucket_ms:
+        return rebucket(decoded.buckets, decoded.bucket_ms, bucket_ms)
+    return decoded.buckets
+
+
+def read_held(
+    raw: bytes | None, pending: Mapping[bytes | str, bytes | str | int], bucket_ms: int
+) -> dict[int, int]:
+    """A key's absorbed window plus its pending window (``HGETALL``), bucket by bucket:
+    what the admit script counts."""
+    return merge(read(raw, bucket_ms), decode_pending(pending, bucket_ms))

@@ -58,7 +58,7 @@ Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later
   never free because its reservation aged out, and with nothing future-dated a
   ``retry_after`` is still at most ``window_ms + bucket_ms`` away.
 
-The Lua twin in ``admission/window_lua.py`` implements the same arithmetic.
+The Lua twin in ``schemas/window.lua`` implements the same arithmetic.
 """
 
 from __future__ import annotations

@@ -38,14 +38,15 @@ from typing import Any, Literal, NamedTuple
 import orjson
 
 from spendgate.schemas import window_codec, windows
-from spendgate.schemas.events import ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
+from spendgate.schemas.events import EventKind, ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
 from spendgate.schemas.matching import BudgetTarget
 from spendgate.schemas.prices import PriceCatalog
 from spendgate.schemas.types import Boundary
 from spendgate.schemas.units import amount
 from spendgate.schemas.windows import WindowSpec
 
-Kind = Literal["reserve", "extend", "commit", "release", "adjust"]
+#: The kinds of event (one table: ``schemas.events.EventKind``).
+Kind = EventKind
 Outcome = Literal["applied", "redelivery", "late_dropped"]
 
 

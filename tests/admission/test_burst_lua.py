@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import random
 
-from spendgate.admission.burst_lua import BURST_CHECK_SCRIPT, BURST_LUA_LIB
 from spendgate.schemas.burst import BurstSpec, BurstState, check, decode_state, encode_state, take
-from tests.fixtures.embedded_lua import LuaServer
+from spendgate.schemas.luascript import text_of
+from tests.fixtures.embedded_lua import LuaServer, harness
 from tests.fixtures.seeds import derive
+
+BURST_LUA_LIB = text_of("spendgate.schemas", "burst")
+BURST_CHECK_SCRIPT = harness("burst_check")
 
 SEED = derive("test_burst_lua")
 CASES = 3_000

@@ -19,7 +19,7 @@ from spendgate.admission.decide import (
 )
 from spendgate.admission.exceptions import BadRequest
 from spendgate.admission.fallback import DegradedLedger
-from spendgate.admission.scripts import AdmitTarget, TargetTemplate
+from spendgate.admission.scripts.admit import AdmitTarget, TargetTemplate
 from spendgate.schemas.decisions import Decision
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.matching import targets

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spendgate.admission.scripts import EXTEND, EXTEND_REPLY_PER_TARGET
+from spendgate.admission.scripts.extend import SCRIPT, ExtendArgs, ExtendTarget
 from spendgate.schemas import window_codec
 from spendgate.schemas.redis_keys import (
     extend_key,
@@ -16,6 +16,8 @@ from tests.fixtures.embedded_lua import LuaServer
 
 BUCKET = 5_000
 WINDOW = 60_000
+#: Reply entries per target (the layout in admission/scripts/extend.lua).
+PER_TARGET = 6
 
 
 def call(
@@ -30,13 +32,32 @@ def call(
 ) -> list[int]:
     """Run EXTEND for ``targets`` = (budget key, limit, amount); the reply as ints."""
     p = lua.prefix
-    keys = [extend_key(p, rid, seq), reservation_key(p, rid), marks_key(p)]
-    args: list[int | str] = [f"extend-{seq}-{rid}", 60_000, 30_000, len(marks), *marks]
-    args.append(len(targets))
-    for key, limit, amount in targets:
-        keys += [window_key(p, key), pending_window_key(p, key), pending_reservations_key(p, key)]
-        args += [limit, WINDOW, BUCKET, "include", amount, 0, failure, deps]
-    reply = lua.script(EXTEND)(keys=keys, args=args)
+    extend = ExtendArgs(
+        answer_key=extend_key(p, rid, seq),
+        record_key=reservation_key(p, rid),
+        marks_key=marks_key(p),
+        entry=f"extend-{seq}-{rid}",
+        answer_ttl_ms=60_000,
+        staleness_ms=30_000,
+        marks=marks,
+        targets=tuple(
+            ExtendTarget(
+                window_key(p, key),
+                pending_window_key(p, key),
+                pending_reservations_key(p, key),
+                limit=limit,
+                window_ms=WINDOW,
+                bucket_ms=BUCKET,
+                boundary="include",
+                amount=amount,
+                observe=False,
+                failure=failure,
+                deps=deps,
+            )
+            for key, limit, amount in targets
+        ),
+    )
+    reply = lua.script(SCRIPT.source)(keys=extend.keys(), args=extend.argv())
     return [int(v) for v in reply]
 
 
@@ -59,7 +80,7 @@ class TestExtendScript:
         replayed, outcome, now, n, *rest = reply
         assert (replayed, outcome, n) == (0, 1, 2)
         assert rest[0:4] == [0, 0, 30, 0]  # key a: the old bucket aged out long ago
-        assert len(rest) == 2 * EXTEND_REPLY_PER_TARGET
+        assert len(rest) == 2 * PER_TARGET
         assert (pending(lua_server, "a"), pending(lua_server, "b")) == (30, 40)
         field = now - now % BUCKET + BUCKET - 1
         entry = lua_server.client.hget(
@@ -72,7 +93,7 @@ class TestExtendScript:
         assert call(lua_server, 1, [("a", 100, 90)])[1] == 1
         reply = call(lua_server, 2, [("b", 1000, 5), ("a", 100, 20)])
         assert reply[1] == 0
-        per = EXTEND_REPLY_PER_TARGET
+        per = PER_TARGET
         assert reply[4 + 3] == 0 and reply[4 + per + 3] == 1  # only key a violated
         assert (pending(lua_server, "a"), pending(lua_server, "b")) == (90, 0)
 

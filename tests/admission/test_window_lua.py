@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from spendgate.admission.window_lua import WINDOW_CHECK_SCRIPT, WINDOW_LUA_LIB
+from spendgate.schemas.luascript import text_of
 from spendgate.schemas.window_codec import decode_pending, encode
 from spendgate.schemas.windows import (
     BOUNDARIES,
@@ -33,9 +33,12 @@ from spendgate.schemas.windows import (
     retry_after,
     total,
 )
-from tests.fixtures.embedded_lua import STRUCT_SHIM, LuaServer
+from tests.fixtures.embedded_lua import STRUCT_SHIM, LuaServer, harness
 from tests.fixtures.seeds import derive, rng
 from tests.schemas import reference
+
+WINDOW_LUA_LIB = text_of("spendgate.schemas", "window")
+WINDOW_CHECK_SCRIPT = harness("window_check")
 
 #: This run's seed for the random cases (from SPENDGATE_TEST_SEED when set).
 SEED = derive("test_window_lua")

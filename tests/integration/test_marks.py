@@ -138,7 +138,7 @@ class TestMarks:
 
 
 class TestFencing:
-    """The claim and mark scripts on a real Redis (``streams.materialize`` CLAIM / MARK)."""
+    """The claim and mark scripts on a real Redis (``streams/scripts`` CLAIM / MARK)."""
 
     async def test_a_lower_token_or_a_lower_watermark_with_the_same_token_is_refused(
         self, redis_client: aioredis.Redis, redis_sync: redis.Redis, key_prefix: str

@@ -1,57 +1,40 @@
-"""The Lua twin of the window engine (``schemas/windows.py``), run inside Redis.
-
-``WINDOW_LUA_LIB`` is a chunk of ``local function`` definitions only: it reads no
-``KEYS``/``ARGV`` and defines no globals, so it can be prepended to any script. It
-mirrors ``schemas.windows`` and ``schemas.window_codec`` exactly (the cross-check test
-runs both on thousands of random cases) and provides:
-
-* ``window_decode(raw, bucket_ms) -> starts, amounts, n``: decode a value written by
-  ``schemas.window_codec.encode`` (``raw`` false/nil for a missing key means empty) into
-  parallel arrays sorted by bucket start, in ``bucket_ms`` buckets: a value stored in
-  another width (the policy's bucket changed) is moved as ``schemas.windows.rebucket``
-  does; raises on a wrong format version.
-* ``window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total``.
-* ``window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
-  extra, amount) -> fits_at_ms | nil, never_fits``: as ``schemas.windows.retry_after``.
-* ``window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, own) ->
-  ms``: until every amount counted at ``t_ms`` (and a reservation of ``own`` > 0 in the
-  bucket of ``t_ms``) has aged out; the ``reset_after_seconds`` of the answers.
-* ``window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
-  n, absorbed, pending_part, stale``: decode the absorbed window ``raw`` and add the
-  pending window (an ``HGETALL`` reply, see ``schemas.window_codec.decode_pending``)
-  bucket by bucket, as ``schemas.windows.combine``; ``stale`` lists the pending fields
-  that can no longer count (to prune). Work: O(buckets in the window), whatever the
-  number of open reservations.
-
-Lua numbers are doubles: every value passed in (times, limit, extra, amount) and their
-sums must stay within 2**53; the codec guarantees it for the stored amounts. Divisions
-and remainders go through ``math.fmod`` (exact in C) and the prorated share through an
-exact split multiplication, so no result is ever rounded.
-"""
-
-from __future__ import annotations
-
-__all__ = ["WINDOW_CHECK_SCRIPT", "WINDOW_LUA_LIB"]
-
-WINDOW_LUA_LIB = r"""
--- spendgate window engine, twin of schemas/windows.py and schemas/window_codec.py.
-
--- A reply stored as text: numbers as exact integers (table.concat would write one past
--- 14 significant digits as "2.3706450097985e+15"), strings as they are.
-local function window_join(values)
-  local parts = {}
-  for i = 1, #values do
-    local v = values[i]
-    if type(v) == 'number' then parts[i] = string.format('%d', v) else parts[i] = v end
-  end
-  return table.concat(parts, ',')
-end
-
+-- spendgate window engine: the Lua twin of spendgate/schemas/windows.py and
+-- spendgate/schemas/window_codec.py (a cross-check test runs both on thousands of random
+-- cases).
+-- Library: local functions only; it reads no script keys or arguments and sets no globals.
+-- Provides:
+--   window_decode(raw, bucket_ms) -> starts, amounts, n: a value written by
+--     window_codec.encode (raw false for a missing key: empty), as parallel arrays sorted
+--     by bucket start in bucket_ms buckets; a value stored in another width (the policy's
+--     bucket changed) is moved as windows.rebucket does; raises on an unknown version.
+--   window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total
+--   window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
+--     extra, amount) -> fits_at_ms | nil, never_fits: as windows.retry_after
+--   window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, own) -> ms
+--     until every amount counted at t_ms (and a reservation of own > 0 in the bucket of
+--     t_ms) has aged out: the reset_after_seconds of the answers
+--   window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
+--     n, absorbed, pending_part, stale: the absorbed window raw plus the pending window (an
+--     HGETALL reply, as window_codec.decode_pending reads it) bucket by bucket, as
+--     windows.combine; stale lists the pending fields that can no longer count (to prune).
+--     Work: O(buckets in the window), whatever the number of open reservations.
+--   window_pending_field(t_ms, bucket_ms) -> the pending-window field of an amount admitted
+--     at t_ms (window_codec.pending_field), as text
+--   window_mod(x, m) -> x mod m in [0, m)
+-- Lua numbers are doubles: every value passed in (times, limit, extra, amount) and their
+-- sums must stay within 2^53; the codec guarantees it for the stored amounts. Divisions and
+-- remainders go through math.fmod (exact in C) and the prorated share through an exact
+-- split multiplication, so no result is ever rounded.
 -- x mod m for integers, result in [0, m), exact for |x| < 2^53.
 local function window_mod(x, m)
   local r = math.fmod(x, m)
   if r < 0 then r = r + m end
   return r
+end
+
+-- The last millisecond of the bucket holding t_ms: where an amount admitted then is pending.
+local function window_pending_field(t_ms, bucket_ms)
+  return string.format('%d', t_ms - window_mod(t_ms, bucket_ms) + bucket_ms - 1)
 end
 
 -- Exact ceil(x * k / b) for integers |x| < 2^53, 0 <= k < b < 2^32.
@@ -303,31 +286,3 @@ local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary
   local combined = window_total(ms, ma, mn, t_ms, window_ms, bucket_ms, boundary)
   return ms, ma, mn, absorbed, combined - absorbed, stale
 end
-"""
-
-WINDOW_CHECK_SCRIPT = (
-    WINDOW_LUA_LIB
-    + r"""
--- Test harness: the window engine on one stored state, as the admit script reads it.
--- KEYS[1]: a string key holding an encoded window state (missing = empty)
--- KEYS[2]: optional, a pending-window hash (missing = none pending)
--- ARGV[1]: t_ms        ARGV[2]: window_ms   ARGV[3]: bucket_ms
--- ARGV[4]: boundary (include | exclude | prorate)
--- ARGV[5]: limit       ARGV[6]: extra       ARGV[7]: amount
--- returns: {combined total at t_ms, fits_at_ms or -1, never_fits (0 | 1),
---           absorbed total, pending part of the combined total}
-local t_ms = tonumber(ARGV[1])
-local window_ms = tonumber(ARGV[2])
-local bucket_ms = tonumber(ARGV[3])
-local boundary = ARGV[4]
-local pending = {}
-if KEYS[2] then pending = redis.call('HGETALL', KEYS[2]) end
-local starts, amounts, n, absorbed, part = window_combine(redis.call('GET', KEYS[1]),
-  pending, t_ms, window_ms, bucket_ms, boundary)
-local fits_at, never_fits = window_retry_after(starts, amounts, n, t_ms, window_ms,
-  bucket_ms, boundary, tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]))
-local never = 0
-if never_fits then never = 1 end
-return {absorbed + part, fits_at or -1, never, absorbed, part}
-"""
-)

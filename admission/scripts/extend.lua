@@ -1,0 +1,113 @@
+-- EXTEND: grow an open reservation on every budget key it holds, or on none (streaming).
+-- Contract: spendgate.admission.scripts.extend
+--
+-- The amount is charged at the extend's own instant (the Redis clock): it joins the pending
+-- window in the bucket of now, under its own pending entry (named by the extend's event
+-- id), which the worker absorbs when it applies the extend event, as it absorbs a reserve.
+-- Work per budget key is that of an admit: O(buckets in the window). An allow is stored (a
+-- repeat of the same sequence number returns it, growing nothing); a refusal holds nothing
+-- and is decided anew.
+--
+-- KEYS (3, then 3 per target)
+--   answer        the extend's stored answer (one per reservation and sequence number)
+--   record        the reservation record (written by ADMIT: must exist, not be settled)
+--   marks         the applied marks (hash: mark field -> watermark ms)
+--   per target: window, pending, reservations (as in ADMIT)
+-- ARGV (4 + m, then 1 + 8 per target)
+--   entry         the pending entry's name (the extend event's id)
+--   answer_ttl    ms the stored answer lives
+--   staleness     ms: a mark older than this (Redis clock) is stale
+--   m, then m mark fields
+--   n targets, then per target: limit, window_ms, bucket_ms, boundary, amount,
+--     observe (0/1), failure (codes.FAILURE_MODES), deps (comma-separated mark indexes)
+-- Reply
+--   replayed (0/1), outcome (codes.EXTEND_OUTCOMES: 0 reject, 1 allow, 5 unvouched, 6 no
+--   such open reservation, 7 already settled), now_ms (the extend's instant), n, then per
+--   target, as ADMIT's: used, reserved (pending, this extend excluded), own (this extend),
+--   violated (0/1), reset_after_ms, state (codes.STATES)
+--! include spendgate.schemas:window
+--! include spendgate.schemas:redis_values
+
+local stored = redis.call('GET', KEYS[1])
+if stored then return answer_decode(stored) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if not record_subject(KEYS[2]) then return {0, 6, now, 0} end
+if record_settled(KEYS[2]) then return {0, 7, now, 0} end
+local nmarks = tonumber(ARGV[4])
+local mark_state = {}
+if nmarks > 0 then
+  local names = {}
+  for i = 1, nmarks do names[i] = ARGV[4 + i] end
+  local seen = redis.call('HMGET', KEYS[3], unpack(names))
+  local oldest = now - tonumber(ARGV[3])
+  for i = 1, nmarks do
+    if not seen[i] then mark_state[i] = 2
+    elseif tonumber(seen[i]) < oldest then mark_state[i] = 1
+    else mark_state[i] = 0 end
+  end
+end
+local n = tonumber(ARGV[5 + nmarks])
+local a, k = 6 + nmarks, 4
+local targets = {}
+local refused, unvouched = false, false
+for j = 1, n do
+  local x = {
+    wkey = KEYS[k], pwkey = KEYS[k + 1], prkey = KEYS[k + 2],
+    limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]), bucket = tonumber(ARGV[a + 2]),
+    boundary = ARGV[a + 3], amount = tonumber(ARGV[a + 4]), observe = ARGV[a + 5] == '1',
+    failure = tonumber(ARGV[a + 6]), state = 0,
+  }
+  for d in string.gmatch(ARGV[a + 7], '%d+') do
+    local st = mark_state[tonumber(d)]
+    if st > x.state then x.state = st end
+  end
+  local absorbed, pending
+  x.starts, x.amounts, x.count, absorbed, pending, x.stale = window_combine(
+    redis.call('GET', x.wkey), redis.call('HGETALL', x.pwkey), now, x.window, x.bucket,
+    x.boundary)
+  x.used = absorbed
+  if x.used < 0 then x.used = 0 end
+  x.reserved = pending
+  x.violated = x.used + x.reserved + x.amount > x.limit
+  if x.state > 0 and x.failure == 1 then x.violated = false end
+  if x.state > 0 and not x.observe and x.failure ~= 1 then unvouched = true end
+  if x.violated and not x.observe then refused = true end
+  targets[j] = x
+  a = a + 8
+  k = k + 3
+end
+local outcome = 1
+if unvouched then outcome = 5 elseif refused then outcome = 0 end
+local answer = {outcome, now, n}
+for j = 1, n do
+  local x = targets[j]
+  local own = 0
+  if outcome == 1 then own = x.amount end
+  answer[#answer + 1] = x.used
+  answer[#answer + 1] = x.reserved
+  answer[#answer + 1] = own
+  answer[#answer + 1] = x.violated and 1 or 0
+  answer[#answer + 1] = window_reset_after(x.starts, x.amounts, x.count, now, x.window,
+                                          x.bucket, x.boundary, own)
+  answer[#answer + 1] = x.state
+end
+if outcome == 1 then
+  for j = 1, n do
+    local x = targets[j]
+    for i = 1, #x.stale, 1000 do
+      redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
+    end
+    if x.amount > 0 then
+      local field = window_pending_field(now, x.bucket)
+      redis.call('HINCRBY', x.pwkey, field, string.format('%d', x.amount))
+      redis.call('HSET', x.prkey, ARGV[1], pending_entry_encode(field, x.amount))
+      redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
+      redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
+    end
+  end
+  redis.call('SET', KEYS[1], answer_encode(answer), 'PX', tonumber(ARGV[2]))
+end
+local out = {0}
+for i = 1, #answer do out[#out + 1] = answer[i] end
+return out

@@ -1,0 +1,118 @@
+"""EXTEND's contract: its KEYS and ARGV built by role, its reply decoded (``extend.lua``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spendgate.admission.scripts.admit import KeyState
+from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, STATES, ExtendOutcome
+from spendgate.schemas.luascript import load
+
+__all__ = ["SCRIPT", "ExtendArgs", "ExtendResult", "ExtendTarget"]
+
+SCRIPT = load("spendgate.admission.scripts", "extend")
+
+ArgValue = int | str
+#: Reply entries per target.
+_REPLY_PER_TARGET = 6
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendTarget:
+    """One budget key the reservation holds, with the amount to grow it by.
+
+    ``failure`` is the policy's failure mode code (``codes.FAILURE_MODES``); ``deps`` the
+    mark indexes (1-based, into :attr:`ExtendArgs.marks`) its window depends on, joined by
+    ``,`` (``admit.encode_deps``).
+    """
+
+    window_key: str
+    pending_window_key: str
+    pending_reservations_key: str
+    limit: int
+    window_ms: int
+    bucket_ms: int
+    boundary: str
+    amount: int
+    observe: bool
+    failure: int
+    deps: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendArgs:
+    """One EXTEND call.
+
+    Attributes:
+        answer_key: the extend's stored answer (one per reservation and sequence number).
+        record_key: the reservation record.
+        marks_key: the applied marks.
+        entry: the extend's event id, the name of its pending entry.
+        answer_ttl_ms: how long the stored answer lives.
+        staleness_ms: a mark older than this is stale.
+        marks: the mark fields the targets' ``deps`` refer to.
+        targets: every key the reservation holds.
+    """
+
+    answer_key: str
+    record_key: str
+    marks_key: str
+    entry: str
+    answer_ttl_ms: int
+    staleness_ms: int
+    marks: tuple[str, ...]
+    targets: tuple[ExtendTarget, ...]
+
+    def keys(self) -> list[str]:
+        """KEYS, in the script's order."""
+        keys = [self.answer_key, self.record_key, self.marks_key]
+        for t in self.targets:
+            keys += (t.window_key, t.pending_window_key, t.pending_reservations_key)
+        return keys
+
+    def argv(self) -> list[ArgValue]:
+        """ARGV, in the script's order."""
+        args: list[ArgValue] = [self.entry, self.answer_ttl_ms, self.staleness_ms]
+        args += (len(self.marks), *self.marks, len(self.targets))
+        for t in self.targets:
+            args += (
+                t.limit,
+                t.window_ms,
+                t.bucket_ms,
+                t.boundary,
+                t.amount,
+                int(t.observe),
+                t.failure,
+                t.deps,
+            )
+        return args
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendResult:
+    """What the extend script decided: ``now_ms`` is the extend's instant (Redis clock;
+    the first answer's, for a repeat), ``keys`` one state per target, in order."""
+
+    replayed: bool
+    outcome: ExtendOutcome
+    now_ms: int
+    keys: tuple[KeyState, ...]
+
+    @classmethod
+    def decode(cls, raw: Sequence[bytes | int]) -> ExtendResult:
+        """Decode EXTEND's reply (fresh or a stored answer replayed)."""
+        replayed, outcome, now_ms, n, *rest = raw
+        per = _REPLY_PER_TARGET
+        states = tuple(
+            KeyState(
+                used=int(rest[i]),
+                reserved=int(rest[i + 1]),
+                own=int(rest[i + 2]),
+                violated=bool(int(rest[i + 3])),
+                reset_after_ms=int(rest[i + 4]),
+                state=STATES[int(rest[i + 5])],
+            )
+            for i in range(0, int(n) * per, per)
+        )
+        return cls(bool(int(replayed)), EXTEND_OUTCOMES[int(outcome)], int(now_ms), states)
