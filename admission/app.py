@@ -76,6 +76,7 @@ from spendgate.schemas.decisions import AdmitRequest, Decision
 from spendgate.schemas.events import CommitEvent, ReleaseEvent, Subject, Usage
 from spendgate.schemas.forecast import forecast
 from spendgate.schemas.prices import PriceCatalog
+from spendgate.schemas.redis_values import Settled
 from spendgate.schemas.types import SUBJECT_FIELDS
 from spendgate.schemas.windows import WindowSpec
 
@@ -220,7 +221,7 @@ def create_app(
 
     async def _settle(reservation_id: str, usage: Usage | None, who: Principal) -> Accepted:
         """Publish the commit (with usage) or release (without) of an open reservation."""
-        kind = "commit" if usage is not None else "release"
+        kind: Settled = "commit" if usage is not None else "release"
         own = local.reservations.get(reservation_id)
         subject: Subject | None = None
         try:

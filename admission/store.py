@@ -50,7 +50,7 @@ from spendgate.schemas.redis_keys import (
     unpublished_reserves_key,
     window_key,
 )
-from spendgate.schemas.redis_values import SUBJECT_FIELD
+from spendgate.schemas.redis_values import SUBJECT_FIELD, Settled
 from spendgate.schemas.shards import Topology, partition_for, usage_mark
 
 __all__ = [
@@ -325,7 +325,7 @@ class BudgetStore:
         raw = await self._call("reservation", lambda: self.client.hget(key, SUBJECT_FIELD))
         return None if raw is None else Subject.model_validate_json(raw)
 
-    async def settle(self, reservation_id: str, kind: str) -> SettleResult:
+    async def settle(self, reservation_id: str, kind: Settled) -> SettleResult:
         """Mark a reservation committed or released, once.
 
         Raises:

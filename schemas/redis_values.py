@@ -27,6 +27,8 @@ __all__ = [
     "SUBJECT_FIELD",
     "PendingEntry",
     "ReservationRecord",
+    "Settled",
+    "as_text",
     "decode_answer",
     "encode_answer",
 ]
@@ -36,10 +38,12 @@ SUBJECT_FIELD = "subject"
 #: The reservation record's fields, as ADMIT writes them (``settled`` is added by SETTLE).
 RECORD_FIELDS = (SUBJECT_FIELD, "plan", "usage", "at", "out", "ttl")
 
+#: How a reservation was settled.
 Settled = Literal["commit", "release"]
 
 
-def _text(value: bytes | str | int) -> str:
+def as_text(value: bytes | str | int) -> str:
+    """A value of a script's reply (or of a hash) as text, whatever redis-py returned."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -61,7 +65,7 @@ class PendingEntry:
         Raises:
             ValueError: not two non-negative integers joined by ``:``.
         """
-        field, sep, amount = _text(raw).partition(":")
+        field, sep, amount = as_text(raw).partition(":")
         if not (sep and field.isdigit() and amount.isdigit()):
             raise ValueError(f"pending entry: {raw!r} is not '<field>:<amount>'")
         return cls(int(field), int(amount))
@@ -84,7 +88,7 @@ def encode_answer(values: Sequence[int | str]) -> str:
 
 def decode_answer(raw: bytes | str) -> list[str]:
     """The values of a stored answer, as text (the scripts return them so)."""
-    return _text(raw).split(",")
+    return as_text(raw).split(",")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,7 @@ class ReservationRecord:
         Raises:
             ValueError: a field holds something ADMIT never writes.
         """
-        text = {_text(k): _text(v) for k, v in fields.items()}
+        text = {as_text(k): as_text(v) for k, v in fields.items()}
         if not set(RECORD_FIELDS) <= text.keys():
             return None
         settled = text.get("settled")

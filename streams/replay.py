@@ -188,7 +188,7 @@ async def replay(
                 continue
             lives = await client.mget([window_key(settings.redis_prefix, k) for k in chunk])
             for key, live in zip(chunk, lives, strict=True):
-                have = window_codec.read(live, None)
+                have = window_codec.read(live if isinstance(live, bytes) else None, None)
                 if have != rebuilt.states[key].buckets:
                     summary.differences.append(key)
         if not verify:

@@ -60,7 +60,12 @@ def test_the_scripts_are_all_here() -> None:
         "streams/scripts/sample.lua",
         "streams/scripts/mark.lua",
     }
-    assert {p.name for p in LIBRARIES} == {"window.lua", "burst.lua", "redis_values.lua"}
+    assert {p.name for p in LIBRARIES} == {
+        "window.lua",
+        "burst.lua",
+        "redis_values.lua",
+        "key_steps.lua",
+    }
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)

@@ -74,6 +74,7 @@
 --! include spendgate.schemas:window
 --! include spendgate.schemas:burst
 --! include spendgate.schemas:redis_values
+--! include spendgate.admission.scripts:key_steps
 
 local read_only = ARGV[1] == '1'
 if not read_only then
@@ -86,22 +87,9 @@ local rid = ARGV[2]
 local est_out = tonumber(ARGV[5])
 local nplans = tonumber(ARGV[7])
 local nmarks = tonumber(ARGV[9])
-local mark_state = {}
-if nmarks > 0 then
-  local names = {}
-  for i = 1, nmarks do names[i] = ARGV[9 + i] end
-  local seen = redis.call('HMGET', KEYS[4], unpack(names))
-  local oldest = now - tonumber(ARGV[8])
-  for i = 1, nmarks do
-    if not seen[i] then
-      mark_state[i] = 2
-    elseif tonumber(seen[i]) < oldest then
-      mark_state[i] = 1
-    else
-      mark_state[i] = 0
-    end
-  end
-end
+local names = {}
+for i = 1, nmarks do names[i] = ARGV[9 + i] end
+local mark_state = marks_states(KEYS[4], names, now, tonumber(ARGV[8]))
 
 -- Parse every plan; window state is read only for the plans evaluated.
 local plans, a, k = {}, 10 + nmarks, 5
@@ -117,12 +105,8 @@ for p = 1, nplans do
       observe = ARGV[a + 6] == '1', on_exceed = tonumber(ARGV[a + 7]),
       alt = tonumber(ARGV[a + 8]), cap_s = tonumber(ARGV[a + 9]),
       cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
-      failure = tonumber(ARGV[a + 13]), state = 0,
+      failure = tonumber(ARGV[a + 13]), state = key_state(ARGV[a + 12], mark_state),
     }
-    for d in string.gmatch(ARGV[a + 12], '%d+') do
-      local st = mark_state[tonumber(d)]
-      if st > plan.targets[j].state then plan.targets[j].state = st end
-    end
     k = k + 3
     if ARGV[a + 14] ~= '' then
       local x = plan.targets[j]
@@ -140,14 +124,7 @@ local function load(plan)
   plan.loaded = true
   for j = 1, plan.n do
     local x = plan.targets[j]
-    local absorbed, pending
-    x.starts, x.amounts, x.count, absorbed, pending, x.stale = window_combine(
-      redis.call('GET', x.wkey), redis.call('HGETALL', x.pwkey), now, x.window, x.bucket,
-      x.boundary)
-    -- Refunds larger than the charges they correct never create extra room.
-    x.used = absorbed
-    if x.used < 0 then x.used = 0 end
-    x.reserved = pending
+    key_load(x, now)
     x.wviolated = x.used + x.reserved + x.amount > x.limit
     -- An unvouched window of a policy that fails open never refuses.
     if x.state > 0 and x.failure == 1 then x.wviolated = false end
@@ -330,18 +307,9 @@ answer[bpos] = nb
 if outcome ~= 0 and outcome ~= 5 and not read_only then
   for j = 1, plan.n do
     local x = plan.targets[j]
-    for i = 1, #x.stale, 1000 do
-      redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
-    end
-    if x.own > 0 then
-      -- Pending until the processor absorbs the reserve event; once its bucket has left
-      -- the window it no longer counts, so both hashes live that long past the last write.
-      local field = window_pending_field(now, x.bucket)
-      redis.call('HINCRBY', x.pwkey, field, string.format('%d', x.own))
-      redis.call('HSET', x.prkey, rid, pending_entry_encode(field, x.own))
-      redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
-      redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
-    end
+    -- Pending until the worker absorbs the reserve event; once its bucket has left the
+    -- window it no longer counts.
+    key_hold(x, rid, x.own, now)
     if x.bleft then
       redis.call('SET', x.bkey, string.format('%d:%d', x.bleft, now), 'PX',
                  string.format('%d', x.bttl))

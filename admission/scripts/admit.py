@@ -8,7 +8,7 @@ reply, a fresh one or a stored one replayed (every value then text).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from spendgate.admission.scripts.codes import (
@@ -19,6 +19,7 @@ from spendgate.admission.scripts.codes import (
     State,
 )
 from spendgate.schemas.luascript import load
+from spendgate.schemas.redis_values import as_text
 
 __all__ = [
     "SCRIPT",
@@ -257,6 +258,31 @@ class KeyState:
     #: With a ``burst``: whole tokens left and ms until the bucket is full again.
     burst: tuple[int, int] | None = None
 
+    @classmethod
+    def decode_all(
+        cls,
+        values: Sequence[bytes | int],
+        count: int,
+        per: int = _REPLY_PER_TARGET,
+        bursts: Mapping[int, tuple[int, int]] | None = None,
+    ) -> tuple[KeyState, ...]:
+        """The first ``count`` keys of a reply's per-key part (ADMIT's and EXTEND's layout:
+        used, reserved by others, own, violated, reset_after_ms, state), ``per`` values
+        each (5: an answer stored before the state existed, every key vouched)."""
+        bursts = bursts or {}
+        return tuple(
+            cls(
+                used=int(values[i]),
+                reserved=int(values[i + 1]),
+                own=int(values[i + 2]),
+                violated=bool(int(values[i + 3])),
+                reset_after_ms=int(values[i + 4]),
+                state=STATES[int(values[i + 5])] if per == _REPLY_PER_TARGET else "vouched",
+                burst=bursts.get(i // per),
+            )
+            for i in range(0, count * per, per)
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class AdmitResult:
@@ -288,18 +314,7 @@ class AdmitResult:
         tail = rest[count * per :]
         for i in range(1, 1 + 3 * int(tail[0]) if tail else 1, 3):
             bursts[int(tail[i]) - 1] = (int(tail[i + 1]), int(tail[i + 2]))
-        states = tuple(
-            KeyState(
-                used=int(rest[i]),
-                reserved=int(rest[i + 1]),
-                own=int(rest[i + 2]),
-                violated=bool(int(rest[i + 3])),
-                reset_after_ms=int(rest[i + 4]),
-                state=STATES[int(rest[i + 5])] if per == _REPLY_PER_TARGET else "vouched",
-                burst=bursts.get(i // per),
-            )
-            for i in range(0, count * per, per)
-        )
+        states = KeyState.decode_all(rest, count, per, bursts)
         max_out = int(max_out)
         return cls(
             replayed=bool(int(replayed)),
@@ -307,7 +322,7 @@ class AdmitResult:
             now_ms=int(now_ms),
             retry_after_ms=retry if retry >= 0 else None,
             never_fits=retry == NEVER_FITS,
-            reservation_id=rid.decode() if isinstance(rid, bytes) else str(rid),
+            reservation_id=as_text(rid),
             plan=int(plan) - 1,
             max_output_tokens=max_out if max_out >= 0 else None,
             keys=states,

@@ -6,14 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spendgate.schemas.luascript import load
+from spendgate.schemas.redis_values import as_text
 
 __all__ = ["SCRIPT", "ClaimArgs", "ClaimReply"]
 
 SCRIPT = load("spendgate.admission.scripts", "claim_unpublished")
-
-
-def _text(value: bytes | str | int) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,5 +42,5 @@ class ClaimReply:
     @classmethod
     def decode(cls, raw: Sequence[bytes | str | int]) -> ClaimReply:
         """Decode CLAIM_UNPUBLISHED's reply."""
-        cutoff, *claimed = (_text(v) for v in raw)
+        cutoff, *claimed = (as_text(v) for v in raw)
         return cls(int(cutoff), tuple(claimed))

@@ -27,6 +27,7 @@
 --   violated (0/1), reset_after_ms, state (codes.STATES)
 --! include spendgate.schemas:window
 --! include spendgate.schemas:redis_values
+--! include spendgate.admission.scripts:key_steps
 
 local stored = redis.call('GET', KEYS[1])
 if stored then return answer_decode(stored) end
@@ -35,18 +36,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if not record_subject(KEYS[2]) then return {0, 6, now, 0} end
 if record_settled(KEYS[2]) then return {0, 7, now, 0} end
 local nmarks = tonumber(ARGV[4])
-local mark_state = {}
-if nmarks > 0 then
-  local names = {}
-  for i = 1, nmarks do names[i] = ARGV[4 + i] end
-  local seen = redis.call('HMGET', KEYS[3], unpack(names))
-  local oldest = now - tonumber(ARGV[3])
-  for i = 1, nmarks do
-    if not seen[i] then mark_state[i] = 2
-    elseif tonumber(seen[i]) < oldest then mark_state[i] = 1
-    else mark_state[i] = 0 end
-  end
-end
+local names = {}
+for i = 1, nmarks do names[i] = ARGV[4 + i] end
+local mark_state = marks_states(KEYS[3], names, now, tonumber(ARGV[3]))
 local n = tonumber(ARGV[5 + nmarks])
 local a, k = 6 + nmarks, 4
 local targets = {}
@@ -56,19 +48,9 @@ for j = 1, n do
     wkey = KEYS[k], pwkey = KEYS[k + 1], prkey = KEYS[k + 2],
     limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]), bucket = tonumber(ARGV[a + 2]),
     boundary = ARGV[a + 3], amount = tonumber(ARGV[a + 4]), observe = ARGV[a + 5] == '1',
-    failure = tonumber(ARGV[a + 6]), state = 0,
+    failure = tonumber(ARGV[a + 6]), state = key_state(ARGV[a + 7], mark_state),
   }
-  for d in string.gmatch(ARGV[a + 7], '%d+') do
-    local st = mark_state[tonumber(d)]
-    if st > x.state then x.state = st end
-  end
-  local absorbed, pending
-  x.starts, x.amounts, x.count, absorbed, pending, x.stale = window_combine(
-    redis.call('GET', x.wkey), redis.call('HGETALL', x.pwkey), now, x.window, x.bucket,
-    x.boundary)
-  x.used = absorbed
-  if x.used < 0 then x.used = 0 end
-  x.reserved = pending
+  key_load(x, now)
   x.violated = x.used + x.reserved + x.amount > x.limit
   if x.state > 0 and x.failure == 1 then x.violated = false end
   if x.state > 0 and not x.observe and x.failure ~= 1 then unvouched = true end
@@ -94,17 +76,7 @@ for j = 1, n do
 end
 if outcome == 1 then
   for j = 1, n do
-    local x = targets[j]
-    for i = 1, #x.stale, 1000 do
-      redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
-    end
-    if x.amount > 0 then
-      local field = window_pending_field(now, x.bucket)
-      redis.call('HINCRBY', x.pwkey, field, string.format('%d', x.amount))
-      redis.call('HSET', x.prkey, ARGV[1], pending_entry_encode(field, x.amount))
-      redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
-      redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
-    end
+    key_hold(targets[j], ARGV[1], targets[j].amount, now)
   end
   redis.call('SET', KEYS[1], answer_encode(answer), 'PX', tonumber(ARGV[2]))
 end

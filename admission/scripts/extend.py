@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spendgate.admission.scripts.admit import KeyState
-from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, STATES, ExtendOutcome
+from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, ExtendOutcome
 from spendgate.schemas.luascript import load
 
 __all__ = ["SCRIPT", "ExtendArgs", "ExtendResult", "ExtendTarget"]
@@ -14,8 +14,6 @@ __all__ = ["SCRIPT", "ExtendArgs", "ExtendResult", "ExtendTarget"]
 SCRIPT = load("spendgate.admission.scripts", "extend")
 
 ArgValue = int | str
-#: Reply entries per target.
-_REPLY_PER_TARGET = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +101,5 @@ class ExtendResult:
     def decode(cls, raw: Sequence[bytes | int]) -> ExtendResult:
         """Decode EXTEND's reply (fresh or a stored answer replayed)."""
         replayed, outcome, now_ms, n, *rest = raw
-        per = _REPLY_PER_TARGET
-        states = tuple(
-            KeyState(
-                used=int(rest[i]),
-                reserved=int(rest[i + 1]),
-                own=int(rest[i + 2]),
-                violated=bool(int(rest[i + 3])),
-                reset_after_ms=int(rest[i + 4]),
-                state=STATES[int(rest[i + 5])],
-            )
-            for i in range(0, int(n) * per, per)
-        )
+        states = KeyState.decode_all(rest, int(n))
         return cls(bool(int(replayed)), EXTEND_OUTCOMES[int(outcome)], int(now_ms), states)

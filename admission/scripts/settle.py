@@ -8,14 +8,11 @@ from typing import Literal
 
 from spendgate.schemas.events import Subject
 from spendgate.schemas.luascript import load
+from spendgate.schemas.redis_values import Settled, as_text
 
 __all__ = ["SCRIPT", "SettleArgs", "SettleResult"]
 
 SCRIPT = load("spendgate.admission.scripts", "settle")
-
-
-def _text(value: bytes | str | int) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +20,7 @@ class SettleArgs:
     """Settle the reservation whose record is ``record_key`` as ``kind``."""
 
     record_key: str
-    kind: Literal["commit", "release"]
+    kind: Settled
 
     def keys(self) -> list[str]:
         """KEYS, in the script's order."""
@@ -46,7 +43,7 @@ class SettleResult:
     @classmethod
     def decode(cls, raw: Sequence[bytes | str]) -> SettleResult:
         """Decode SETTLE's reply."""
-        status, subject = (_text(v) for v in raw)
+        status, subject = (as_text(v) for v in raw)
         if status == "missing":
             return cls("missing", None)
         parsed = Subject.model_validate_json(subject)
