@@ -10,6 +10,11 @@ with a line of its own::
 which :func:`load` replaces by that library's source (``window.lua`` in the package
 ``spendgate.schemas``), each library once. Libraries define ``local function`` (and local
 constants) only: they read no KEYS or ARGV and set no globals.
+
+The contract modules encode and decode with the three primitives here: an optional
+argument is ``""`` for None (:func:`optional_arg`), an optional reply value is ``""`` when
+missing (:func:`optional_int`), and a reply value is bytes or an int, whatever redis-py
+returned (:func:`as_text`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-__all__ = ["LuaScript", "compose", "load", "text_of"]
+__all__ = ["LuaScript", "as_text", "compose", "load", "optional_arg", "optional_int", "text_of"]
 
 _INCLUDE = re.compile(r"^--! include (?P<package>[\w.]+):(?P<name>\w+)\s*$")
 
@@ -36,6 +41,21 @@ class LuaScript:
     def sha(self) -> str:
         """The SHA1 of the source, as ``SCRIPT LOAD`` returns it."""
         return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+def optional_arg(value: int | None) -> int | str:
+    """An optional integer as a script argument: ``""`` for None."""
+    return "" if value is None else value
+
+
+def optional_int(raw: int | bytes | str) -> int | None:
+    """An optional integer a script returned as text: None for ``""``."""
+    return None if raw in (b"", "") else int(raw)
+
+
+def as_text(value: bytes | str | int) -> str:
+    """A value of a script's reply (or of a hash) as text, whatever redis-py returned."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @cache

@@ -22,13 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from spendgate.schemas.luascript import as_text
+
 __all__ = [
     "RECORD_FIELDS",
     "SUBJECT_FIELD",
     "PendingEntry",
     "ReservationRecord",
     "Settled",
-    "as_text",
     "decode_answer",
     "encode_answer",
 ]
@@ -40,11 +41,6 @@ RECORD_FIELDS = (SUBJECT_FIELD, "plan", "usage", "at", "out", "ttl")
 
 #: How a reservation was settled.
 Settled = Literal["commit", "release"]
-
-
-def as_text(value: bytes | str | int) -> str:
-    """A value of a script's reply (or of a hash) as text, whatever redis-py returned."""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True, slots=True)

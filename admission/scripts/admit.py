@@ -18,8 +18,7 @@ from spendgate.admission.scripts.codes import (
     Outcome,
     State,
 )
-from spendgate.schemas.luascript import load
-from spendgate.schemas.redis_values import as_text
+from spendgate.schemas.luascript import as_text, load
 
 __all__ = [
     "SCRIPT",

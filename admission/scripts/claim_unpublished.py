@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spendgate.schemas.luascript import load
-from spendgate.schemas.redis_values import as_text
+from spendgate.schemas.luascript import as_text, load, optional_arg
 
 __all__ = ["SCRIPT", "ClaimArgs", "ClaimReply"]
 
@@ -29,7 +28,7 @@ class ClaimArgs:
 
     def argv(self) -> list[int | str]:
         """ARGV, in the script's order."""
-        return [self.grace_ms, self.most, "" if self.cutoff is None else self.cutoff]
+        return [self.grace_ms, self.most, optional_arg(self.cutoff)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ __all__ = [
     "EXTEND_OUTCOMES",
     "FAILURE_MODES",
     "NEVER_FITS",
-    "NO_RETRY",
     "ON_EXCEED",
     "OUTCOMES",
     "STATES",
@@ -49,6 +48,5 @@ FAILURE_MODES = {"closed": 0, "open": 1, "degraded": 2}
 #: A policy's ``on_exceed`` as ADMIT reads it: downgrade and route are both "try the
 #: alternative"; delay refuses in the script (the waiting is the caller's, admission.delay).
 ON_EXCEED = {"reject": 0, "cap": 1, "downgrade": 2, "route": 2, "delay": 0}
-#: ADMIT's retry_after_ms when no wait is known, and when the request can never fit.
-NO_RETRY = -1
+#: ADMIT's retry_after_ms when the request can never fit (-1: no wait known).
 NEVER_FITS = -2

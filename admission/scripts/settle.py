@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from spendgate.schemas.events import Subject
-from spendgate.schemas.luascript import load
-from spendgate.schemas.redis_values import Settled, as_text
+from spendgate.schemas.luascript import as_text, load
+from spendgate.schemas.redis_values import Settled
 
 __all__ = ["SCRIPT", "SettleArgs", "SettleResult"]
 

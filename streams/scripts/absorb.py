@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spendgate.schemas.luascript import load
+from spendgate.schemas.luascript import load, optional_arg
 
 __all__ = ["SCRIPT", "AbsorbArgs", "AbsorbKey", "AbsorbReply", "encode_score", "window_px"]
 
@@ -70,15 +70,13 @@ class AbsorbKey:
 
     def argv(self) -> list[bytes | str | int]:
         """This key's 5 + n ARGV."""
-        rids = list(self.reservation_ids)
-        version: int | str = "" if self.version is None else self.version
         return [
             self.window or b"",
             window_px(self.window_ms),
-            version,
+            optional_arg(self.version),
             encode_score(self.score),
-            len(rids),
-            *rids,
+            len(self.reservation_ids),
+            *self.reservation_ids,
         ]
 
 

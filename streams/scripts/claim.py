@@ -5,17 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spendgate.schemas.luascript import load
+from spendgate.schemas.luascript import load, optional_int
 from spendgate.streams.marks import Claim
 
-__all__ = ["SCRIPT", "ClaimArgs", "ClaimReply", "decode_optional_int"]
+__all__ = ["SCRIPT", "ClaimArgs", "ClaimReply"]
 
 SCRIPT = load("spendgate.streams.scripts", "claim")
-
-
-def decode_optional_int(raw: int | bytes | str) -> int | None:
-    """An integer the scripts return as text, ``""`` for missing (None)."""
-    return None if raw in (b"", "") else int(raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +60,5 @@ class ClaimReply:
         claims = []
         for i in range(0, len(raw), 3):
             token, mark, position = raw[i : i + 3]
-            claims.append(
-                Claim(int(token), decode_optional_int(mark), decode_optional_int(position))
-            )
+            claims.append(Claim(int(token), optional_int(mark), optional_int(position)))
         return cls(tuple(claims))

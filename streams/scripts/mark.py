@@ -6,15 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spendgate.schemas.luascript import load
+from spendgate.schemas.luascript import load, optional_arg
 
 __all__ = ["SCRIPT", "MarkArgs", "MarkReply", "MarkWrite"]
 
 SCRIPT = load("spendgate.streams.scripts", "mark")
-
-
-def _optional(value: int | None) -> int | str:
-    return "" if value is None else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +30,9 @@ class MarkWrite:
         return [
             self.field,
             self.token,
-            _optional(self.watermark_ms),
-            _optional(self.behind),
-            _optional(self.position),
+            optional_arg(self.watermark_ms),
+            optional_arg(self.behind),
+            optional_arg(self.position),
         ]
 
 

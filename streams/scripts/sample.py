@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spendgate.schemas.luascript import load
-from spendgate.streams.scripts.claim import decode_optional_int
+from spendgate.schemas.luascript import load, optional_int
 
 __all__ = ["SCRIPT", "SampleArgs", "SampleReply"]
 
@@ -52,4 +51,4 @@ class SampleReply:
     @classmethod
     def decode(cls, raw: Sequence[int | bytes | str]) -> SampleReply:
         """The script's reply: the clock, then one mark per field (``""``: missing)."""
-        return cls(int(raw[0]), tuple(decode_optional_int(m) for m in raw[1:]))
+        return cls(int(raw[0]), tuple(optional_int(m) for m in raw[1:]))
