@@ -126,6 +126,18 @@ class TestBenchSmoke:
         ]
         assert all(int(r["n"].replace(",", "")) > 0 for r in rows), rows
 
+    def test_admit_script_ab_against_itself(self, services: Services) -> None:
+        """Both scripts run on every case and decide alike (the tool fails otherwise)."""
+        out = _run("bench.admit_script_ab", services, 120.0, "--against", str(ROOT))
+        rows = _table(out)
+        assert [(r["window"], r["budgets"], r["requests"]) for r in rows] == [
+            (w, b, p)
+            for w in ("1h / 1 min", "24h / 1 min")
+            for b in ("1", "5")
+            for p in ("admitted", "refused")
+        ]
+        assert all(float(r["this us/call"].replace(",", "")) > 0 for r in rows), rows
+
     def test_overshoot(self, services: Services) -> None:
         out = _run("bench.overshoot", services, 60.0, "--check")  # exits 1 on a miss
         rows = _table(out)
