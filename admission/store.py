@@ -38,9 +38,10 @@ from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (
     burst_key,
     extend_key,
+    held_keys,
     marks_key,
     overage_key,
-    pending_reservations_key,
+    pending_total_key,
     pending_window_key,
     policies_key,
     policies_version_key,
@@ -248,9 +249,7 @@ class BudgetStore:
                     record_ttl_ms = ttl_ms
                 cap = charge.cap
                 call.target(
-                    window_key(prefix, key),
-                    pending_window_key(prefix, key),
-                    pending_reservations_key(prefix, key),
+                    held_keys(prefix, key),
                     burst_key(prefix, key) if terms.burst is not None else None,
                     terms.template.argv(
                         charge.amount,
@@ -361,9 +360,7 @@ class BudgetStore:
             terms = charge.terms or PolicyTerms.of(policy)
             targets.append(
                 ExtendTarget(
-                    window_key=window_key(prefix, key),
-                    pending_window_key=pending_window_key(prefix, key),
-                    pending_reservations_key=pending_reservations_key(prefix, key),
+                    held_keys=held_keys(prefix, key),
                     limit=policy.limit,
                     window_ms=terms.window_ms,
                     bucket_ms=policy.bucket_ms,
@@ -401,11 +398,12 @@ class BudgetStore:
             for key, _ in keys:
                 pipe.get(window_key(self.prefix, key))
                 pipe.hgetall(pending_window_key(self.prefix, key))
+                pipe.hgetall(pending_total_key(self.prefix, key))
             return list(await pipe.execute())
 
         raw = await self._call("windows", read)
         return [
-            window_codec.read_held(raw[2 * i], raw[2 * i + 1], bucket_ms)
+            window_codec.read_held(raw[3 * i], bucket_ms, raw[3 * i + 1], raw[3 * i + 2])
             for i, (_, bucket_ms) in enumerate(keys)
         ]
 

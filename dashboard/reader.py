@@ -10,9 +10,11 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from spendgate.dashboard.views import KeyRow, key_row, tenant_of, window_series
+from spendgate.schemas import window_codec
 from spendgate.schemas.matching import parse_key
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (
+    pending_total_key,
     pending_window_key,
     policies_key,
     policies_version_key,
@@ -166,9 +168,13 @@ class BudgetReader:
             for key in keys:
                 pipe.get(window_key(self.prefix, key))
                 pipe.hgetall(pending_window_key(self.prefix, key))
+                pipe.hgetall(pending_total_key(self.prefix, key))
             (seconds, micros), *replies = await pipe.execute()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
-        return now_ms, list(zip(replies[::2], replies[1::2], strict=True))
+        return now_ms, [
+            (window, window_codec.pending_fields(v1, v2))
+            for window, v1, v2 in zip(replies[::3], replies[1::3], replies[2::3], strict=True)
+        ]
 
     def owner(self, key: str, policies: dict[str, Policy]) -> tuple[bool, str | None]:
         """Whether ``key``'s policy is in force, and the tenant the key belongs to."""

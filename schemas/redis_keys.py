@@ -37,12 +37,47 @@ def pending_window_key(prefix: str, key: str) -> str:
     return f"{prefix}pw:{key}"
 
 
+def pending_total_key(prefix: str, key: str) -> str:
+    """Hash of the version-2 pending window: the bucket fields of
+    :func:`pending_window_key` plus ``window_codec.PENDING_TOTAL_FIELD``, their sum. The
+    admit script reads the sum, the boundary bucket and the newest bucket, never the
+    whole hash, and ages buckets out in the order :func:`pending_queue_key` holds; the
+    processor's absorb subtracts from a field and the sum together (and deletes both keys
+    when the sum reaches 0). Written while the key's absorbed window is a version-2 value
+    (``schemas.window_codec``); both versions count while both exist."""
+    return f"{prefix}pv:{key}"
+
+
+def pending_queue_key(prefix: str, key: str) -> str:
+    """List of the fields of :func:`pending_total_key`, oldest bucket first, each once
+    (pushed when a bucket first holds an amount): the admit script pops buckets that left
+    the window from its head and absorbed-away ones from its tail. An entry whose field
+    is gone is skipped wherever it is met."""
+    return f"{prefix}pq:{key}"
+
+
 def pending_reservations_key(prefix: str, key: str) -> str:
     """Hash of where each pending reservation sits in the pending window, so the
     processor can absorb it: field = reservation id, value = ``"field:amount"`` (the
     pending-window field and the amount added there). Written by the admit script, read
-    and deleted one field at a time by the processor's absorb; never read in bulk."""
+    and deleted one field at a time by the processor's absorb; never read in bulk. A
+    reservation held in the version-2 pending window (:func:`pending_total_key`) is under
+    ``"2:" + id`` (``redis_values.PENDING_V2_PREFIX``), which a previous release's absorb
+    never finds (it leaves the amount to age out rather than miscount it)."""
     return f"{prefix}pr:{key}"
+
+
+def held_keys(prefix: str, key: str) -> tuple[str, str, str, str, str]:
+    """The five keys that hold one budget key's usage, in the order the admit and extend
+    scripts take them: :func:`window_key`, :func:`pending_window_key`,
+    :func:`pending_total_key`, :func:`pending_queue_key`, :func:`pending_reservations_key`."""
+    return (
+        window_key(prefix, key),
+        pending_window_key(prefix, key),
+        pending_total_key(prefix, key),
+        pending_queue_key(prefix, key),
+        pending_reservations_key(prefix, key),
+    )
 
 
 def burst_key(prefix: str, key: str) -> str:

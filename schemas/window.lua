@@ -4,9 +4,26 @@
 -- Library: local functions only; it reads no script keys or arguments and sets no globals.
 -- Provides:
 --   window_decode(raw, bucket_ms) -> starts, amounts, n: a value written by
---     window_codec.encode (raw false for a missing key: empty), as parallel arrays sorted
---     by bucket start in bucket_ms buckets; a value stored in another width (the policy's
---     bucket changed) is moved as windows.rebucket does; raises on an unknown version.
+--     window_codec.encode, version 1 or 2 (raw false for a missing key: empty), as
+--     parallel arrays sorted by bucket start in bucket_ms buckets; a value stored in
+--     another width (the policy's bucket changed) is moved as windows.rebucket does;
+--     raises on an unknown version. Work: O(buckets).
+--   window_view(raw, bucket_ms) -> v | nil: a reader of a version-2 value stored in
+--     bucket_ms buckets (raw false: the empty window), or nil for anything else (decode it)
+--   window_prefix(v, s) -> the sum of the amounts of v's buckets starting at or before s
+--     (bucket-aligned); window_amount(v, s) -> the amount of the bucket at s;
+--     window_newest(v) -> the start of v's newest bucket, or nil when v is empty;
+--     window_negative_from(v, s) -> whether a bucket at or after s has a negative amount.
+--     Work: O(1) dense, O(log n) sparse.
+--   window_share(boundary, edge, t_ms, bucket_ms) -> what the boundary bucket's amount
+--     edge counts at t_ms
+--   window_search_retry(full_of, edge_of, t_ms, window_ms, bucket_ms, boundary, room)
+--     -> fits_at_ms | nil: window_retry_after's answer (limit - extra - amount = room >= 0)
+--     when the total can only fall from t_ms on (no negative amount from the boundary
+--     bucket on, nothing after the bucket of t_ms: the caller checks), by binary search
+--     over the bucket periods; full_of(P) is the sum of the buckets in
+--     [P - window_ms + bucket_ms, P], edge_of(P) the amount of the bucket P - window_ms.
+--     Work: O(log(window / bucket)) calls of each.
 --   window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total
 --   window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
 --     extra, amount) -> fits_at_ms | nil, never_fits: as windows.retry_after
@@ -15,8 +32,9 @@
 --     t_ms) has aged out: the reset_after_seconds of the answers
 --   window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
 --     n, absorbed, pending_part, stale: the absorbed window raw plus the pending window (an
---     HGETALL reply, as window_codec.decode_pending reads it) bucket by bucket, as
---     windows.combine; stale lists the pending fields that can no longer count (to prune).
+--     HGETALL reply, or several concatenated, as window_codec.decode_pending reads them:
+--     a version-2 hash's total field is skipped) bucket by bucket, as windows.combine;
+--     stale lists the pending fields that can no longer count (to prune).
 --     Work: O(buckets in the window), whatever the number of open reservations.
 --   window_pending_field(t_ms, bucket_ms) -> the pending-window field of an amount admitted
 --     at t_ms (window_codec.pending_field), as text
@@ -67,10 +85,17 @@ end
 local function window_decode(raw, bucket_ms)
   local starts, amounts, n = {}, {}, 0
   if not raw then return starts, amounts, 0 end
-  local version, kind, stored_ms, base, count, pos = struct.unpack('<BBI4i8I4', raw)
-  if version ~= 1 then
+  local version = string.byte(raw, 1)
+  local kind, stored_ms, base, count, pos, neg_ms
+  if version == 2 then
+    version, kind, stored_ms, base, count, neg_ms, pos = struct.unpack('<BBI4i8I4i8', raw)
+  elseif version == 1 then
+    version, kind, stored_ms, base, count, pos = struct.unpack('<BBI4i8I4', raw)
+  else
     error('spendgate window state: unknown format version ' .. tostring(version))
   end
+  -- Version 2 holds prefix sums: a bucket's amount is its prefix less the one before.
+  local before = 0
   -- Unpacked up to 128 entries per call: one struct.unpack per entry costs twice as much.
   local done = 0
   if kind == 1 then
@@ -79,10 +104,12 @@ local function window_decode(raw, bucket_ms)
       local values = {struct.unpack('<' .. string.rep('i8', m), raw, pos)}
       pos = values[m + 1]
       for j = 1, m do
-        if values[j] ~= 0 then
+        local amount = values[j]
+        if version == 2 then amount, before = amount - before, amount end
+        if amount ~= 0 then
           n = n + 1
           starts[n] = base + (done + j - 1) * stored_ms
-          amounts[n] = values[j]
+          amounts[n] = amount
         end
       end
       done = done + m
@@ -93,9 +120,11 @@ local function window_decode(raw, bucket_ms)
       local values = {struct.unpack('<' .. string.rep('I4i8', m), raw, pos)}
       pos = values[2 * m + 1]
       for j = 1, m do
+        local amount = values[2 * j]
+        if version == 2 then amount, before = amount - before, amount end
         n = n + 1
         starts[n] = base + values[2 * j - 1] * stored_ms
-        amounts[n] = values[2 * j]
+        amounts[n] = amount
       end
       done = done + m
     end
@@ -242,6 +271,89 @@ local function window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   return gone - t_ms
 end
 
+-- A version-2 value read in place: its header, and its body at computed offsets.
+local function window_view(raw, bucket_ms)
+  if not raw then return {n = 0, kind = 1, base = 0, b = bucket_ms, neg = -1} end
+  if string.byte(raw, 1) ~= 2 then return nil end
+  local _, kind, stored_ms, base, count, neg = struct.unpack('<BBI4i8I4i8', raw)
+  if stored_ms ~= bucket_ms then return nil end
+  if kind ~= 0 and kind ~= 1 then
+    error('spendgate window state: unknown kind ' .. tostring(kind))
+  end
+  return {raw = raw, kind = kind, b = stored_ms, base = base, n = count, neg = neg}
+end
+
+-- Header: 26 bytes, so the body starts at position 27; a sparse entry is 12 bytes (offset
+-- u32, then the prefix i64), a dense slot 8 (the prefix).
+local function window_offset_at(v, j)
+  return (struct.unpack('<I4', v.raw, 27 + 12 * j))
+end
+
+local function window_prefix(v, s)
+  if v.n == 0 or s < v.base then return 0 end
+  local idx = math.floor((s - v.base) / v.b)
+  if v.kind == 1 then
+    if idx >= v.n then idx = v.n - 1 end
+    return (struct.unpack('<i8', v.raw, 27 + 8 * idx))
+  end
+  -- The last entry whose offset is at most idx (the first one's is 0).
+  local lo, hi = 0, v.n - 1
+  if window_offset_at(v, hi) <= idx then
+    lo = hi
+  else
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if window_offset_at(v, mid) <= idx then lo = mid else hi = mid - 1 end
+    end
+  end
+  return (struct.unpack('<i8', v.raw, 31 + 12 * lo))
+end
+
+local function window_amount(v, s)
+  return window_prefix(v, s) - window_prefix(v, s - v.b)
+end
+
+local function window_newest(v)
+  if v.n == 0 then return nil end
+  if v.kind == 1 then return v.base + (v.n - 1) * v.b end
+  return v.base + window_offset_at(v, v.n - 1) * v.b
+end
+
+local function window_negative_from(v, s)
+  return v.neg >= 0 and v.neg >= s
+end
+
+local function window_share(boundary, edge, t_ms, bucket_ms)
+  return window_boundary_part(boundary, edge, bucket_ms - 1 - window_mod(t_ms, bucket_ms),
+                              bucket_ms)
+end
+
+-- With the total only falling, a period fits somewhere iff it fits at its last
+-- millisecond, where the boundary bucket counts nothing: iff full_of(period) <= room, a
+-- predicate that holds from some period on. Find that period, then the offset in it.
+local function window_search_retry(full_of, edge_of, t_ms, window_ms, bucket_ms, boundary,
+                                   room)
+  window_check_boundary(boundary)
+  local head = t_ms - window_mod(t_ms, bucket_ms)
+  local k = 0
+  if full_of(head) > room then
+    local lo, hi = 0, window_ms / bucket_ms  -- full_of(head + window_ms) sums nothing
+    if full_of(head + hi * bucket_ms) > room then return nil end
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if full_of(head + mid * bucket_ms) <= room then hi = mid else lo = mid end
+    end
+    k = hi
+  end
+  local period = head + k * bucket_ms
+  local r_lo = 0
+  if k == 0 then r_lo = t_ms - head end
+  local r = window_earliest_offset(boundary, edge_of(period), room - full_of(period), r_lo,
+                                   bucket_ms)
+  if not r then return nil end
+  return period + r
+end
+
 -- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
 -- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
 local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary)
@@ -253,8 +365,10 @@ local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary
   local by_start, order = {}, {}
   for i = 1, #pending, 2 do
     local last = tonumber(pending[i])
-    local start = last - window_mod(last, bucket_ms)
-    if start < live then
+    local start = last and last - window_mod(last, bucket_ms)
+    if not last then
+      -- A version-2 pending window's total field: it sums the others.
+    elseif start < live then
       stale[#stale + 1] = pending[i]
     elseif by_start[start] then
       by_start[start] = by_start[start] + tonumber(pending[i + 1])

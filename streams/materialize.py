@@ -16,7 +16,9 @@ from spendgate.schemas.redis_keys import (
     mark_progress_key,
     marks_key,
     overage_key,
+    pending_queue_key,
     pending_reservations_key,
+    pending_total_key,
     pending_window_key,
     policies_key,
     policies_version_key,
@@ -117,6 +119,8 @@ class RedisMaterializer:
         return absorb.AbsorbKey(
             window_key=window_key(self.prefix, key),
             pending_window_key=pending_window_key(self.prefix, key),
+            pending_total_key=pending_total_key(self.prefix, key),
+            pending_queue_key=pending_queue_key(self.prefix, key),
             pending_reservations_key=pending_reservations_key(self.prefix, key),
             version_key=window_version_key(self.prefix, key),
             utilization_key=utilization_key(self.prefix),

@@ -32,18 +32,23 @@
 -- Usage = the absorbed window + the pending window, added bucket by bucket: a reservation
 -- sits in the bucket of its admission instant and ages out of the window like absorbed
 -- usage, so a Retry-After is at most window + bucket. "used" is the absorbed total,
--- "reserved by others" what the pending window adds to it. The pending window is read whole
--- (O(buckets in the window)), never one reservation at a time.
+-- "reserved by others" what the pending window adds to it. Both are read in O(1) per key
+-- (key_steps: prefix sums of the absorbed window, the pending window's running sum and
+-- queue), never one bucket or one reservation at a time; a refusal's Retry-After is a
+-- binary search over the window's periods when the total can only fall.
 --
--- KEYS (4, then 3 or 4 per target of each plan, in plan order)
+-- KEYS (4, then 5 or 6 per target of each plan, in plan order)
 --   answer        the stored answer of this request id (schemas/redis_values.py)
 --   record        the reservation record (schemas/redis_values.py: ReservationRecord)
 --   unpublished   the unpublished reserves (sorted set: reservation id -> admission ms)
 --   marks         the applied marks (hash: mark field -> watermark ms, by the worker)
 --   per target:
 --   window        the absorbed window (string, schemas/window_codec.py), by the worker
---   pending       the pending window (hash: a bucket's last ms -> amount pending there)
---   reservations  the pending reservations (hash: reservation id -> pending entry)
+--   pending       the version-1 pending window (hash: a bucket's last ms -> amount)
+--   pending v2    the version-2 pending window (hash: the same, plus their sum 't')
+--   queue         the version-2 pending window's bucket fields, oldest first (list)
+--   reservations  the pending reservations (hash: reservation id, "2:" + id for version
+--                 2 -> pending entry)
 --   bucket        only for a target with a burst: its token bucket ("level:at_ms",
 --                 schemas/burst.py; missing = full)
 -- ARGV (9 + m header entries, then per plan 2 + 15 per target)
@@ -98,7 +103,8 @@ for p = 1, nplans do
   a = a + 2
   for j = 1, plan.n do
     plan.targets[j] = {
-      wkey = KEYS[k], pwkey = KEYS[k + 1], prkey = KEYS[k + 2],
+      wkey = KEYS[k], pwkey = KEYS[k + 1], pvkey = KEYS[k + 2], pqkey = KEYS[k + 3],
+      prkey = KEYS[k + 4],
       limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]),
       bucket = tonumber(ARGV[a + 2]), boundary = ARGV[a + 3],
       amount = tonumber(ARGV[a + 4]), ttl = tonumber(ARGV[a + 5]),
@@ -107,7 +113,7 @@ for p = 1, nplans do
       cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
       failure = tonumber(ARGV[a + 13]), state = key_state(ARGV[a + 12], mark_state),
     }
-    k = k + 3
+    k = k + 5
     if ARGV[a + 14] ~= '' then
       local x = plan.targets[j]
       x.brate, x.bper, x.bcap = burst_parse(ARGV[a + 14])
@@ -142,8 +148,7 @@ end
 -- Milliseconds until every amount counted now (absorbed and pending) has aged out,
 -- assuming no new usage and this request's reservation in the current bucket.
 local function reset_after(x)
-  return window_reset_after(x.starts, x.amounts, x.count, now, x.window, x.bucket, x.boundary,
-                            x.own)
+  return key_reset_after(x, now, x.own)
 end
 
 -- Earliest wait (ms) until every refusing enforce key (or observe key) fits the estimate,
@@ -155,8 +160,7 @@ local function retry_of(plan, observe)
     if x.violated and x.observe == observe then
       local wait = 0
       if x.wviolated then
-        local at, never = window_retry_after(x.starts, x.amounts, x.count, now, x.window,
-                                             x.bucket, x.boundary, x.limit, 0, x.amount)
+        local at, never = key_retry_after(x, now)
         if never then
           wait = -2
         elseif at then

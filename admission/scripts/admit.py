@@ -224,17 +224,13 @@ class AdmitCall:
         self._args += (subject_json, targets)
 
     def target(
-        self,
-        window_key: str,
-        pending_window_key: str,
-        pending_reservations_key: str,
-        burst_key: str | None,
-        argv: Sequence[ArgValue],
+        self, held_keys: Sequence[str], burst_key: str | None, argv: Sequence[ArgValue]
     ) -> None:
-        """Add a target of the open plan: its keys (``burst_key`` only when its policy has
-        a burst) and its entries (:meth:`AdmitTarget.argv` or :meth:`TargetTemplate.argv`)."""
+        """Add a target of the open plan: its keys (``redis_keys.held_keys``, and
+        ``burst_key`` only when its policy has a burst) and its entries
+        (:meth:`AdmitTarget.argv` or :meth:`TargetTemplate.argv`)."""
         keys = self.keys
-        keys += (window_key, pending_window_key, pending_reservations_key)
+        keys += held_keys
         if burst_key is not None:
             keys.append(burst_key)
         self._args += argv

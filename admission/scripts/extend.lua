@@ -4,15 +4,15 @@
 -- The amount is charged at the extend's own instant (the Redis clock): it joins the pending
 -- window in the bucket of now, under its own pending entry (named by the extend's event
 -- id), which the worker absorbs when it applies the extend event, as it absorbs a reserve.
--- Work per budget key is that of an admit: O(buckets in the window). An allow is stored (a
+-- Work per budget key is that of an admit: O(1) (key_steps). An allow is stored (a
 -- repeat of the same sequence number returns it, growing nothing); a refusal holds nothing
 -- and is decided anew.
 --
--- KEYS (3, then 3 per target)
+-- KEYS (3, then 5 per target)
 --   answer        the extend's stored answer (one per reservation and sequence number)
 --   record        the reservation record (written by ADMIT: must exist, not be settled)
 --   marks         the applied marks (hash: mark field -> watermark ms)
---   per target: window, pending, reservations (as in ADMIT)
+--   per target: window, pending, pending v2, queue, reservations (as in ADMIT)
 -- ARGV (4 + m, then 1 + 8 per target)
 --   entry         the pending entry's name (the extend event's id)
 --   answer_ttl    ms the stored answer lives
@@ -45,7 +45,8 @@ local targets = {}
 local refused, unvouched = false, false
 for j = 1, n do
   local x = {
-    wkey = KEYS[k], pwkey = KEYS[k + 1], prkey = KEYS[k + 2],
+    wkey = KEYS[k], pwkey = KEYS[k + 1], pvkey = KEYS[k + 2], pqkey = KEYS[k + 3],
+    prkey = KEYS[k + 4],
     limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]), bucket = tonumber(ARGV[a + 2]),
     boundary = ARGV[a + 3], amount = tonumber(ARGV[a + 4]), observe = ARGV[a + 5] == '1',
     failure = tonumber(ARGV[a + 6]), state = key_state(ARGV[a + 7], mark_state),
@@ -57,7 +58,7 @@ for j = 1, n do
   if x.violated and not x.observe then refused = true end
   targets[j] = x
   a = a + 8
-  k = k + 3
+  k = k + 5
 end
 local outcome = 1
 if unvouched then outcome = 5 elseif refused then outcome = 0 end
@@ -70,8 +71,7 @@ for j = 1, n do
   answer[#answer + 1] = x.reserved
   answer[#answer + 1] = own
   answer[#answer + 1] = x.violated and 1 or 0
-  answer[#answer + 1] = window_reset_after(x.starts, x.amounts, x.count, now, x.window,
-                                          x.bucket, x.boundary, own)
+  answer[#answer + 1] = key_reset_after(x, now, own)
   answer[#answer + 1] = x.state
 end
 if outcome == 1 then

@@ -25,9 +25,7 @@ class ExtendTarget:
     ``,`` (``admit.encode_deps``).
     """
 
-    window_key: str
-    pending_window_key: str
-    pending_reservations_key: str
+    held_keys: tuple[str, ...]
     limit: int
     window_ms: int
     bucket_ms: int
@@ -66,7 +64,7 @@ class ExtendArgs:
         """KEYS, in the script's order."""
         keys = [self.answer_key, self.record_key, self.marks_key]
         for t in self.targets:
-            keys += (t.window_key, t.pending_window_key, t.pending_reservations_key)
+            keys += t.held_keys
         return keys
 
     def argv(self) -> list[ArgValue]:

@@ -6,13 +6,34 @@
 --     1 stale (older than now - staleness_ms), 2 missing (codes.STATES)
 --   key_state(deps, states) -> the worst state of the marks a key depends on (deps: the
 --     comma-separated 1-based indexes into states)
---   key_load(x, now): read the key x (x.wkey, x.pwkey, x.window, x.bucket, x.boundary)
---     at now: x.starts, x.amounts, x.count (absorbed plus pending, bucket by bucket),
---     x.used (absorbed; a refund larger than what it corrects never makes room),
---     x.reserved (pending) and x.stale (pending fields that no longer count)
---   key_hold(x, entry, amount, now): prune x.stale, and when amount > 0 hold it in the
---     pending window in the bucket of now under the pending entry named entry; both hashes
---     live window + bucket past the last write
+--   key_load(x, now): read the key x at now (x.wkey the absorbed window, x.pwkey the
+--     version-1 pending window, x.pvkey and x.pqkey the version-2 one and its queue,
+--     x.window, x.bucket, x.boundary): x.used (absorbed; a refund larger than what it
+--     corrects never makes room) and x.reserved (what the pending windows add to it).
+--     Work: O(1) reads when the absorbed window is a version-2 value in the policy's
+--     width and no version-1 pending window exists; otherwise the whole window is
+--     decoded (O(buckets)), as before version 2.
+--   key_reset_after(x, now, own) -> ms until every amount counted at now has aged out
+--     (and a reservation of own > 0 in the bucket of now)
+--   key_retry_after(x, now) -> fits_at_ms | nil, never_fits: when x's amount fits again
+--     with nothing new admitted. O(log(window / bucket)) when the total can only fall
+--     (no negative amount from the boundary bucket on, nothing future-dated, no
+--     version-1 pending window), else the exact walk over every bucket.
+--   key_hold(x, entry, amount, now): age out the pending buckets that left the window and,
+--     when amount > 0, hold it in the pending window in the bucket of now under the
+--     pending entry named entry: the version-2 window when the absorbed window is a
+--     version-2 value (its worker absorbs version 2), else version 1; every key it writes
+--     lives window + bucket past the last write.
+--
+-- The version-2 pending window: x.pvkey holds each bucket's amount under the bucket's last
+-- millisecond and their sum under 't' (window_codec.PENDING_TOTAL_FIELD); x.pqkey lists
+-- the bucket fields oldest first, each once. A field whose amount was absorbed away is
+-- deleted from the hash and skipped in the list. Only the list's ends are read: buckets
+-- that left the window leave from its head (their amounts from the sum), the newest
+-- bucket is at its tail.
+
+local PENDING_TOTAL = 't'
+local PENDING_V2 = '2:'
 
 local function marks_states(marks_key, names, now, staleness_ms)
   local states = {}
@@ -40,25 +61,270 @@ local function key_state(deps, states)
   return state
 end
 
+-- The version-2 pending window at now: its sum, what left the window (stale fields at the
+-- list's head), the boundary bucket, buckets after the bucket of now (at its tail: a field
+-- of a wider bucket width, or the clock went back), the newest bucket. q.ok is false when
+-- the list's last entries do not settle the newest bucket or the list lost entries (then
+-- the key is read whole); q.repair when the hash holds amounts the list does not name.
+local function pending_read(x, now)
+  local b = x.bucket
+  local q = {total = 0, full = 0, edge = 0, stale = {}, stale_sum = 0, ok = true, tail = {}}
+  local total = redis.call('HGET', x.pvkey, PENDING_TOTAL)
+  if not total then return q end
+  q.total = tonumber(total)
+  local head = now - window_mod(now, b)
+  local live = now + 1 - window_mod(now + 1, b) - x.window
+  local oldest_full = head - x.window + b
+  local edge_fields, from = {}, 0
+  while true do
+    local chunk = redis.call('LRANGE', x.pqkey, from, from + 7)
+    local j, stop = 1, false
+    while j <= #chunk do
+      local f = tonumber(chunk[j])
+      if f - window_mod(f, b) < live then
+        q.stale[#q.stale + 1] = chunk[j]
+      elseif f < oldest_full then
+        edge_fields[#edge_fields + 1] = chunk[j]
+      else
+        stop = true
+        break
+      end
+      j = j + 1
+    end
+    if stop or #chunk < 8 then break end
+    from = from + 8
+  end
+  local tail = redis.call('LRANGE', x.pqkey, -4, -1)
+  q.tail = tail
+  local ask = {}
+  for i = 1, #q.stale do ask[#ask + 1] = q.stale[i] end
+  for i = 1, #edge_fields do ask[#ask + 1] = edge_fields[i] end
+  for i = #tail, 1, -1 do ask[#ask + 1] = tail[i] end
+  if #ask == 0 then
+    -- The sum names amounts the list lost (its key expired apart from the hash).
+    if q.total ~= 0 then q.ok, q.repair = false, true end
+    return q
+  end
+  local got = redis.call('HMGET', x.pvkey, unpack(ask))
+  local i = 0
+  for _ = 1, #q.stale do
+    i = i + 1
+    q.stale_sum = q.stale_sum + (tonumber(got[i]) or 0)
+  end
+  for _ = 1, #edge_fields do
+    i = i + 1
+    q.edge = q.edge + (tonumber(got[i]) or 0)
+  end
+  -- From the newest entry back: buckets after head do not count yet; the first present
+  -- one is the newest bucket.
+  local later, past_head = 0, false
+  for k = 1, #tail do
+    local amount = tonumber(got[i + k])
+    local f = tonumber(tail[#tail + 1 - k])
+    local start = f - window_mod(f, b)
+    if start <= head then past_head = true end
+    if amount then
+      if not past_head then later = later + amount end
+      if not q.newest and start >= live then q.newest, q.newest_amount = start, amount end
+    end
+  end
+  q.full = q.total - q.stale_sum - q.edge - later
+  -- Amounts still pending but the last entries settle neither what lies after head nor
+  -- the newest bucket: read the key whole.
+  if not past_head and #tail == 4 then q.ok = false end
+  if not q.newest and q.full + q.edge ~= 0 then q.ok = false end
+  return q
+end
+
+-- Every pending bucket of both versions, absorbed and pending merged bucket by bucket.
+local function key_arrays(x, now)
+  if x.starts then return end
+  local pending = redis.call('HGETALL', x.pwkey)
+  local p1 = #pending
+  local v2 = redis.call('HGETALL', x.pvkey)
+  for i = 1, #v2 do pending[p1 + i] = v2[i] end
+  local absorbed, part
+  x.starts, x.amounts, x.count, absorbed, part, x.stale = window_combine(
+    x.raw, pending, now, x.window, x.bucket, x.boundary)
+  return absorbed, part
+end
+
 local function key_load(x, now)
-  local absorbed, pending
-  x.starts, x.amounts, x.count, absorbed, pending, x.stale = window_combine(
-    redis.call('GET', x.wkey), redis.call('HGETALL', x.pwkey), now, x.window, x.bucket,
-    x.boundary)
-  x.used = absorbed
+  x.raw = redis.call('GET', x.wkey)
+  x.hold_v2 = x.raw and string.byte(x.raw, 1) == 2
+  x.q = pending_read(x, now)
+  x.view = window_view(x.raw, x.bucket)
+  if x.view and x.q.ok and redis.call('EXISTS', x.pwkey) == 0 then
+    local b = x.bucket
+    local edge_start = now - window_mod(now, b) - x.window
+    local at_edge = window_prefix(x.view, edge_start)
+    local full = window_prefix(x.view, edge_start + x.window) - at_edge
+    local edge = at_edge - window_prefix(x.view, edge_start - b)
+    local absorbed = full + window_share(x.boundary, edge, now, b)
+    x.used = absorbed
+    x.reserved = full + x.q.full + window_share(x.boundary, edge + x.q.edge, now, b) - absorbed
+    x.stale = {}
+  else
+    x.view = nil
+    local absorbed, part = key_arrays(x, now)
+    x.used, x.reserved = absorbed, part
+  end
   if x.used < 0 then x.used = 0 end
-  x.reserved = pending
+end
+
+local function key_reset_after(x, now, own)
+  if x.view then
+    local head = now - window_mod(now, x.bucket)
+    local oldest = head - x.window
+    if x.boundary == 'exclude' then oldest = oldest + x.bucket end
+    local last = window_newest(x.view)
+    local pend = x.q.newest
+    local exact = true
+    if pend and pend == last then
+      -- The same bucket absorbed and pending: a refund may cancel what is pending there.
+      exact = window_amount(x.view, last) + x.q.newest_amount ~= 0
+    elseif pend and (last == nil or pend > last) then
+      last = pend
+    end
+    if exact then
+      if last and last < oldest then last = nil end
+      if own > 0 and (last == nil or head > last) then last = head end
+      if last == nil then return 0 end
+      local gone = last + x.window
+      if x.boundary ~= 'exclude' then gone = gone + x.bucket - 1 end
+      if gone < now then return 0 end
+      return gone - now
+    end
+  end
+  key_arrays(x, now)
+  return window_reset_after(x.starts, x.amounts, x.count, now, x.window, x.bucket, x.boundary,
+                            own)
+end
+
+local function key_retry_after(x, now)
+  if x.amount > x.limit then return nil, true end
+  local b, w = x.bucket, x.window
+  local head = now - window_mod(now, b)
+  local v = x.view
+  if v and not window_negative_from(v, head - w)
+      and (window_newest(v) or head) <= head
+      and (x.q.newest or head) <= head then
+    -- Every pending bucket, oldest first, with the sums from each one on.
+    local ps, pa, from = {}, {}, {}
+    if x.q.total ~= 0 then
+      local fields = redis.call('LRANGE', x.pqkey, 0, -1)
+      local got = redis.call('HMGET', x.pvkey, unpack(fields))
+      local live = head - w
+      for i = 1, #fields do
+        local amount = tonumber(got[i])
+        local f = tonumber(fields[i])
+        local start = f - window_mod(f, b)
+        if amount and start >= live then
+          if #ps > 0 and ps[#ps] == start then
+            pa[#pa] = pa[#pa] + amount
+          else
+            ps[#ps + 1], pa[#pa + 1] = start, amount
+          end
+        end
+      end
+    end
+    local sum = 0
+    for i = #ps, 1, -1 do
+      sum = sum + pa[i]
+      from[i] = sum
+    end
+    local function pending_from(s)  -- the pending buckets starting at or after s
+      for i = 1, #ps do
+        if ps[i] >= s then return from[i] end
+      end
+      return 0
+    end
+    local function pending_at(s)
+      for i = 1, #ps do
+        if ps[i] == s then return pa[i] end
+      end
+      return 0
+    end
+    local function full_of(period)
+      return window_prefix(v, period) - window_prefix(v, period - w)
+        + pending_from(period - w + b)
+    end
+    local function edge_of(period)
+      return window_amount(v, period - w) + pending_at(period - w)
+    end
+    return window_search_retry(full_of, edge_of, now, w, b, x.boundary, x.limit - x.amount),
+      false
+  end
+  key_arrays(x, now)
+  return window_retry_after(x.starts, x.amounts, x.count, now, w, b, x.boundary, x.limit, 0,
+                            x.amount)
+end
+
+-- The list again from the hash, oldest bucket first (it lost entries).
+local function pending_requeue(x)
+  local fields = {}
+  local all = redis.call('HGETALL', x.pvkey)
+  for i = 1, #all, 2 do
+    if all[i] ~= PENDING_TOTAL then fields[#fields + 1] = tonumber(all[i]) end
+  end
+  table.sort(fields)
+  redis.call('DEL', x.pqkey)
+  for i = 1, #fields, 1000 do
+    local part = {}
+    for j = i, math.min(i + 999, #fields) do part[#part + 1] = string.format('%d', fields[j]) end
+    redis.call('RPUSH', x.pqkey, unpack(part))
+  end
+  x.q.tail = {}
+  if #fields > 0 then x.q.tail = {string.format('%d', fields[#fields])} end
 end
 
 local function key_hold(x, entry, amount, now)
   for i = 1, #x.stale, 1000 do
     redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
   end
-  if amount > 0 then
-    local field = window_pending_field(now, x.bucket)
-    redis.call('HINCRBY', x.pwkey, field, string.format('%d', amount))
-    redis.call('HSET', x.prkey, entry, pending_entry_encode(field, amount))
-    redis.call('PEXPIRE', x.pwkey, x.window + x.bucket)
-    redis.call('PEXPIRE', x.prkey, x.window + x.bucket)
+  local q = x.q
+  if q.repair then pending_requeue(x) end
+  if #q.stale > 0 then
+    redis.call('LPOP', x.pqkey, #q.stale)
+    for i = 1, #q.stale, 1000 do
+      redis.call('HDEL', x.pvkey, unpack(q.stale, i, math.min(i + 999, #q.stale)))
+    end
+    if q.total - q.stale_sum == 0 then
+      redis.call('DEL', x.pvkey, x.pqkey)
+      q.tail = {}
+    elseif q.stale_sum ~= 0 then
+      redis.call('HINCRBY', x.pvkey, PENDING_TOTAL, string.format('%d', -q.stale_sum))
+    end
   end
+  if amount <= 0 then return end
+  local field = window_pending_field(now, x.bucket)
+  local amount_text = string.format('%d', amount)
+  local span = x.window + x.bucket
+  if x.hold_v2 then
+    local tail = q.tail
+    local newest = tail[#tail]
+    if not newest or tonumber(newest) < tonumber(field) then
+      redis.call('RPUSH', x.pqkey, field)
+    elseif newest ~= field then
+      -- The clock went back a bucket or more: in order before the newer entries (only
+      -- the last ones are looked at; an entry out of order counts until the one before it
+      -- leaves, never less).
+      local before, known = nil, false
+      for i = #tail, 1, -1 do
+        if tail[i] == field then known = true end
+        if tonumber(tail[i]) > tonumber(field) then before = tail[i] end
+      end
+      if not known then redis.call('LINSERT', x.pqkey, 'BEFORE', before, field) end
+    end
+    redis.call('HINCRBY', x.pvkey, field, amount_text)
+    redis.call('HINCRBY', x.pvkey, PENDING_TOTAL, amount_text)
+    redis.call('HSET', x.prkey, PENDING_V2 .. entry, pending_entry_encode(field, amount))
+    redis.call('PEXPIRE', x.pvkey, span)
+    redis.call('PEXPIRE', x.pqkey, span)
+  else
+    redis.call('HINCRBY', x.pwkey, field, amount_text)
+    redis.call('HSET', x.prkey, entry, pending_entry_encode(field, amount))
+    redis.call('PEXPIRE', x.pwkey, span)
+  end
+  redis.call('PEXPIRE', x.prkey, span)
 end

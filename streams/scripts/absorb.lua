@@ -17,11 +17,17 @@
 -- bucket's age; either way nothing of it counts in the pending window any more. Absorbing
 -- is idempotent, so a stale writer's ids are absorbed too (the newer window holds them).
 --
--- KEYS (5 per budget key)
+-- A reservation held in the version-2 pending window (its entry under "2:" + id) leaves
+-- its bucket's field and the window's sum together; when the sum reaches 0 nothing is
+-- pending and the hash and its queue go (the admit script starts them again).
+--
+-- KEYS (7 per budget key)
 --   window                the window (string, schemas/window_codec.py layout)
---   pending window        hash: a bucket's last ms -> amount pending there
---   pending reservations  hash: reservation id -> its pending entry "<field>:<amount>"
---                         (schemas/redis_values.py)
+--   pending window        version 1: hash: a bucket's last ms -> amount pending there
+--   pending v2            version 2: the same fields, plus their sum 't'
+--   queue                 the version-2 window's bucket fields, oldest first (list)
+--   pending reservations  hash: reservation id (or "2:" + id) -> its pending entry
+--                         "<field>:<amount>" (schemas/redis_values.py)
 --   version               the window's version (string)
 --   utilization           the utilization index (sorted set: window key -> total / limit,
 --                         schemas/redis_keys.py utilization_key)
@@ -38,34 +44,47 @@
 --! include spendgate.schemas:redis_values
 local moved = 0
 local a = 1
-for k = 1, #KEYS, 5 do
+for k = 1, #KEYS, 7 do
+  local wkey, pwkey, pvkey, pqkey, prkey = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3],
+    KEYS[k + 4]
   local window, px, version, score = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local n = tonumber(ARGV[a + 4])
   local newer = false
   if version ~= '' then
-    local have = tonumber(redis.call('GET', KEYS[k + 3]) or '-1')
+    local have = tonumber(redis.call('GET', KEYS[k + 5]) or '-1')
     newer = have > tonumber(version)
-    if not newer then redis.call('SET', KEYS[k + 3], version, 'PX', px) end
+    if not newer then redis.call('SET', KEYS[k + 5], version, 'PX', px) end
   end
   if window ~= '' and not newer then
-    redis.call('SET', KEYS[k], window, 'PX', px)
-    if score ~= '' then redis.call('ZADD', KEYS[k + 4], score, KEYS[k]) end
+    redis.call('SET', wkey, window, 'PX', px)
+    if score ~= '' then redis.call('ZADD', KEYS[k + 6], score, wkey) end
   end
   for i = a + 5, a + 4 + n do
-    local record = redis.call('HGET', KEYS[k + 2], ARGV[i])
-    if record then
-      redis.call('HDEL', KEYS[k + 2], ARGV[i])
-      local field, amount = pending_entry_decode(record)
-      -- As text, exact (tostring writes a number of 15+ digits with an exponent).
-      field = string.format('%d', field)
-      local held = tonumber(redis.call('HGET', KEYS[k + 1], field) or '0')
-      if held > amount then
-        redis.call('HINCRBY', KEYS[k + 1], field, string.format('%d', -amount))
-      else
-        -- Pruned (its bucket left the window) or exactly this amount: nothing stays.
-        redis.call('HDEL', KEYS[k + 1], field)
+    local v2name = '2:' .. ARGV[i]
+    local found = redis.call('HMGET', prkey, ARGV[i], v2name)
+    for version_index = 1, 2 do
+      local record = found[version_index]
+      if record then
+        local name, hash = ARGV[i], pwkey
+        if version_index == 2 then name, hash = v2name, pvkey end
+        redis.call('HDEL', prkey, name)
+        local field, amount = pending_entry_decode(record)
+        -- As text, exact (tostring writes a number of 15+ digits with an exponent).
+        field = string.format('%d', field)
+        local held = tonumber(redis.call('HGET', hash, field) or '0')
+        if held > amount then
+          redis.call('HINCRBY', hash, field, string.format('%d', -amount))
+        else
+          -- Pruned (its bucket left the window) or exactly this amount: nothing stays.
+          redis.call('HDEL', hash, field)
+        end
+        local left = math.min(held, amount)
+        if version_index == 2 and left > 0 then
+          local sum = redis.call('HINCRBY', hash, 't', string.format('%d', -left))
+          if sum <= 0 then redis.call('DEL', pvkey, pqkey) end
+        end
+        moved = moved + left
       end
-      moved = moved + math.min(held, amount)
     end
   end
   a = a + 5 + n

@@ -1,6 +1,6 @@
 """ABSORB's contract (``absorb.lua``): write windows and absorb their pending reservations.
 
-Per budget key, 5 KEYS and 5 + n ARGV; the reply is the pending amount moved out.
+Per budget key, 7 KEYS and 5 + n ARGV; the reply is the pending amount moved out.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ class AbsorbKey:
 
     Attributes:
         window_key: the window (``redis_keys.window_key``).
-        pending_window_key: the pending window (hash: a bucket's last ms -> amount).
-        pending_reservations_key: the pending reservations (hash: reservation id ->
-            :class:`~spendgate.schemas.redis_values.PendingEntry`).
+        pending_window_key: the version-1 pending window (hash: a bucket's last ms ->
+            amount).
+        pending_total_key: the version-2 pending window (the same, plus their sum).
+        pending_queue_key: the version-2 pending window's bucket fields (list).
+        pending_reservations_key: the pending reservations (hash: reservation id, or
+            ``"2:"`` + id, -> :class:`~spendgate.schemas.redis_values.PendingEntry`).
         version_key: the window's version.
         utilization_key: the utilization index (``redis_keys.utilization_key``).
         window: the encoded window to store, or None to leave it as it is.
@@ -49,6 +52,8 @@ class AbsorbKey:
 
     window_key: str
     pending_window_key: str
+    pending_total_key: str
+    pending_queue_key: str
     pending_reservations_key: str
     version_key: str
     utilization_key: str
@@ -59,10 +64,12 @@ class AbsorbKey:
     reservation_ids: Sequence[str] = ()
 
     def keys(self) -> list[str]:
-        """This key's 5 KEYS."""
+        """This key's 7 KEYS."""
         return [
             self.window_key,
             self.pending_window_key,
+            self.pending_total_key,
+            self.pending_queue_key,
             self.pending_reservations_key,
             self.version_key,
             self.utilization_key,
@@ -87,7 +94,7 @@ class AbsorbArgs:
     budget_keys: Sequence[AbsorbKey]
 
     def keys(self) -> list[str]:
-        """KEYS: each budget key's 5, in order."""
+        """KEYS: each budget key's 7, in order."""
         out: list[str] = []
         for part in self.budget_keys:
             out += part.keys()

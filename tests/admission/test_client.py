@@ -16,8 +16,9 @@ from spendgate.admission.exceptions import (
     BudgetExceeded,
 )
 from spendgate.schemas.events import Usage, parse_event
-from spendgate.schemas.redis_keys import pending_window_key, reservation_key
+from spendgate.schemas.redis_keys import reservation_key
 from spendgate.streams.materialize import RedisMaterializer
+from tests.fixtures import held
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, LiveServer
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all
@@ -77,8 +78,7 @@ async def server(
 
 
 async def _pending(client: aioredis.Redis, server: LiveServer) -> int:
-    key = pending_window_key(server.settings.redis_prefix, "tok|tenant=acme")
-    return sum(int(v) for v in await client.hvals(key))
+    return await held.apending_sum(client, server.settings.redis_prefix, "tok|tenant=acme")
 
 
 async def _settled(client: aioredis.Redis, server: LiveServer, rid: str) -> str | None:

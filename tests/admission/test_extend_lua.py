@@ -6,12 +6,13 @@ from spendgate.admission.scripts.extend import SCRIPT, ExtendArgs, ExtendTarget
 from spendgate.schemas import window_codec
 from spendgate.schemas.redis_keys import (
     extend_key,
+    held_keys,
     marks_key,
     pending_reservations_key,
-    pending_window_key,
     reservation_key,
     window_key,
 )
+from tests.fixtures import held
 from tests.fixtures.embedded_lua import LuaServer
 
 BUCKET = 5_000
@@ -42,9 +43,7 @@ def call(
         marks=marks,
         targets=tuple(
             ExtendTarget(
-                window_key(p, key),
-                pending_window_key(p, key),
-                pending_reservations_key(p, key),
+                held_keys(p, key),
                 limit=limit,
                 window_ms=WINDOW,
                 bucket_ms=BUCKET,
@@ -67,7 +66,7 @@ def open_reservation(lua: LuaServer, rid: str = "r1") -> None:
 
 
 def pending(lua: LuaServer, key: str) -> int:
-    return sum(int(v) for v in lua.client.hvals(pending_window_key(lua.prefix, key)))
+    return held.pending_sum(lua.client, lua.prefix, key)
 
 
 class TestExtendScript:
@@ -83,10 +82,17 @@ class TestExtendScript:
         assert len(rest) == 2 * PER_TARGET
         assert (pending(lua_server, "a"), pending(lua_server, "b")) == (30, 40)
         field = now - now % BUCKET + BUCKET - 1
-        entry = lua_server.client.hget(
-            pending_reservations_key(lua_server.prefix, "a"), "extend-1-r1"
-        )
-        assert entry == f"{field}:30".encode()
+        # Key a's window is a version-2 value: its worker absorbs version 2, so the extend
+        # is held there, under "2:" + the entry's name; key b has no window yet: version 1.
+        entries_a = lua_server.client.hgetall(pending_reservations_key(lua_server.prefix, "a"))
+        entries_b = lua_server.client.hgetall(pending_reservations_key(lua_server.prefix, "b"))
+        assert entries_a == {b"2:extend-1-r1": f"{field}:30".encode()}
+        assert entries_b == {b"extend-1-r1": f"{field}:40".encode()}
+        p = lua_server.prefix
+        assert lua_server.client.hgetall(f"{p}pv:a") == {str(field).encode(): b"30", b"t": b"30"}
+        assert lua_server.client.lrange(f"{p}pq:a", 0, -1) == [str(field).encode()]
+        assert lua_server.client.hgetall(f"{p}pw:b") == {str(field).encode(): b"40"}
+        assert not lua_server.client.exists(f"{p}pw:a", f"{p}pv:b")
 
     def test_refuses_on_every_key_when_one_is_full(self, lua_server: LuaServer) -> None:
         open_reservation(lua_server)

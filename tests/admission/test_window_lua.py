@@ -384,6 +384,7 @@ def unpack_cases(rng: random.Random) -> list[tuple[str, bytes, int]]:
 
         header = struct.pack("<BBIqI", rng.randrange(256), 1, rng.randrange(2**32), i8(), m)
         cases.append(("<BBI4i8I4", lead + header, len(lead) + 1))
+        cases.append(("<BBI4i8I4i8", lead + header + struct.pack("<q", i8()), len(lead) + 1))
         dense = struct.pack(f"<{m}q", *(i8() for _ in range(m)))
         cases.append(("<" + "i8" * m, lead + dense, len(lead) + 1))
         pairs = [v for _ in range(m) for v in (rng.randrange(2**32), i8())]

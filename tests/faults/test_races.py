@@ -20,9 +20,10 @@ import pytest
 import redis
 
 from spendgate.schemas import window_codec
-from spendgate.schemas.redis_keys import pending_window_key, window_key
+from spendgate.schemas.redis_keys import window_key
 from spendgate.schemas.windows import WindowSpec
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
+from tests.fixtures import held
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.seeds import rng as seeded
 from tests.fixtures.services import Services
@@ -33,7 +34,7 @@ ADMITS = 500
 
 
 def _pending(client: redis.Redis, prefix: str, key: str) -> int:
-    return sum(int(v) for v in client.hvals(pending_window_key(prefix, key)))
+    return held.pending_sum(client, prefix, key)
 
 
 async def _fire(procs: list[AdmissionProc], bodies: list[dict[str, Any]]) -> list[httpx.Response]:

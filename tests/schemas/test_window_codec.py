@@ -17,6 +17,7 @@ from spendgate.schemas.window_codec import (
     DecodedState,
     decode,
     encode,
+    version_of,
 )
 
 # Example counts come from the hypothesis profiles in tests/conftest.py (ci: 2000).
@@ -28,21 +29,40 @@ NOW = 1_700_000_040_000  # a whole minute
 class TestLayout:
     def test_empty_is_a_bare_header(self) -> None:
         data = encode({}, MINUTE)
-        assert data == struct.pack("<BBIqI", 1, KIND_SPARSE, MINUTE, 0, 0)
-        assert len(data) == HEADER_SIZE == 18
+        assert data == struct.pack("<BBIqIq", 2, KIND_SPARSE, MINUTE, 0, 0, -1)
+        assert len(data) == HEADER_SIZE == 26
         assert decode(data) == DecodedState(MINUTE, {})
 
-    def test_sparse_bytes(self) -> None:
-        data = encode({NOW: 5, NOW + 10 * MINUTE: -2}, MINUTE)
+    def test_sparse_bytes_hold_prefix_sums_and_the_newest_negative_bucket(self) -> None:
+        data = encode({NOW: 5, NOW + 10 * MINUTE: -2, NOW + 12 * MINUTE: 4}, MINUTE)
         assert data == (
+            struct.pack("<BBIqIq", 2, KIND_SPARSE, MINUTE, NOW, 3, NOW + 10 * MINUTE)
+            + struct.pack("<Iq", 0, 5)
+            + struct.pack("<Iq", 10, 3)
+            + struct.pack("<Iq", 12, 7)
+        )
+
+    def test_dense_bytes_hold_prefix_sums_an_empty_slot_repeats_the_one_before(self) -> None:
+        data = encode({NOW: 5, NOW + MINUTE: 6, NOW + 3 * MINUTE: 7}, MINUTE)
+        assert data == struct.pack("<BBIqIq4q", 2, KIND_DENSE, MINUTE, NOW, 4, -1, 5, 11, 11, 18)
+
+    def test_a_prefix_of_zero_is_a_bucket_not_a_gap(self) -> None:
+        buckets = {NOW: 5, NOW + MINUTE: -5, NOW + 2 * MINUTE: 1}
+        data = encode(buckets, MINUTE)
+        assert data[1] == KIND_DENSE
+        assert decode(data).buckets == buckets
+
+    def test_version_1_is_still_read(self) -> None:
+        sparse = (
             struct.pack("<BBIqI", 1, KIND_SPARSE, MINUTE, NOW, 2)
             + struct.pack("<Iq", 0, 5)
             + struct.pack("<Iq", 10, -2)
         )
-
-    def test_dense_bytes(self) -> None:
-        data = encode({NOW: 5, NOW + MINUTE: 6, NOW + 2 * MINUTE: 7}, MINUTE)
-        assert data == struct.pack("<BBIqI3q", 1, KIND_DENSE, MINUTE, NOW, 3, 5, 6, 7)
+        assert decode(sparse) == DecodedState(MINUTE, {NOW: 5, NOW + 10 * MINUTE: -2})
+        dense = struct.pack("<BBIqI3q", 1, KIND_DENSE, MINUTE, NOW, 3, 5, 0, 7)
+        assert decode(dense) == DecodedState(MINUTE, {NOW: 5, NOW + 2 * MINUTE: 7})
+        assert encode({NOW: 5, NOW + 10 * MINUTE: -2}, MINUTE, version=1) == sparse
+        assert version_of(sparse) == 1 and version_of(encode({}, MINUTE)) == 2
 
     def test_zero_amounts_are_skipped(self) -> None:
         assert decode(encode({NOW: 0, NOW + MINUTE: 3}, MINUTE)).buckets == {NOW + MINUTE: 3}
@@ -53,14 +73,14 @@ class TestSize:
         buckets = {NOW + i * MINUTE: 1_000_000 + i for i in range(1440)}
         data = encode(buckets, MINUTE)
         assert data[1] == KIND_DENSE
-        assert len(data) == 11_538 <= 16 * 1024
+        assert len(data) == 11_546 <= 16 * 1024
         assert decode(data).buckets == buckets
 
     def test_sparse_sixty_buckets_across_a_day(self) -> None:
         buckets = {NOW + i * 24 * MINUTE: 123_456_789 for i in range(60)}
         data = encode(buckets, MINUTE)
         assert data[1] == KIND_SPARSE
-        assert len(data) == 738 <= 2 * 1024
+        assert len(data) == 746 <= 2 * 1024
         assert decode(data).buckets == buckets
 
     @pytest.mark.parametrize("count", [1, 2, 10, 60, 500, 1441])
@@ -102,9 +122,12 @@ class TestValidation:
     @pytest.mark.parametrize(
         ("data", "message"),
         [
-            (b"", "shorter than the header"),
-            (struct.pack("<BBIqI", 2, 0, MINUTE, 0, 0), "unknown format version 2"),
+            (b"", "unknown format version 0"),
+            (b"\x02", "shorter than the header"),
+            (struct.pack("<BBIqI", 3, 0, MINUTE, 0, 0), "unknown format version 3"),
+            (struct.pack("<BBIqI", 2, 0, MINUTE, 0, 0), "shorter than the header"),
             (struct.pack("<BBIqI", 1, 7, MINUTE, 0, 0), "unknown kind 7"),
+            (struct.pack("<BBIqIq", 2, 7, MINUTE, 0, 0, -1), "unknown kind 7"),
             (struct.pack("<BBIqI", 1, 0, 0, 0, 0), "bucket_ms is 0"),
             (struct.pack("<BBIqI", 1, 0, MINUTE, 0, 1), "sparse body of 0 bytes"),
             (struct.pack("<BBIqI", 1, 1, MINUTE, 0, 2) + b"\0" * 8, "dense body of 8 bytes"),
@@ -113,7 +136,11 @@ class TestValidation:
                 struct.pack("<BBIqIIqIq", 1, 0, MINUTE, 0, 2, 3, 1, 3, 1),
                 "offsets must increase",
             ),
-            (struct.pack("<BBIqIIq", 1, 0, MINUTE, 0, 1, 3, 0), "non-zero"),
+            (struct.pack("<BBIqIIq", 1, 0, MINUTE, 0, 1, 3, 0), "amount is zero"),
+            # Version 2: a repeated prefix is a zero amount; neg_ms must be the newest one.
+            (struct.pack("<BBIqIqIqIq", 2, 0, MINUTE, 0, 2, -1, 0, 4, 1, 4), "amount is zero"),
+            (struct.pack("<BBIqIqIqIq", 2, 0, MINUTE, 0, 2, -1, 0, 4, 1, 3), "neg_ms -1"),
+            (struct.pack("<BBIqIqIq", 2, 0, MINUTE, 0, 1, 0, 0, 4), "neg_ms 0"),
         ],
     )
     def test_decode_rejects_corrupt_values(self, data: bytes, message: str) -> None:
@@ -136,6 +163,7 @@ class TestRoundTrip:
         buckets = {base + slot * bucket_ms: amount for slot, amount in slots.items()}
         data = encode(buckets, bucket_ms)
         assert decode(data) == DecodedState(bucket_ms, buckets)
+        assert decode(encode(buckets, bucket_ms, version=1)) == DecodedState(bucket_ms, buckets)
         # Never bigger than the sparse form.
         assert len(data) <= HEADER_SIZE + 12 * len(buckets)
 

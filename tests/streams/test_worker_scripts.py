@@ -19,7 +19,9 @@ from spendgate.schemas.redis_keys import (
     mark_positions_key,
     mark_progress_key,
     marks_key,
+    pending_queue_key,
     pending_reservations_key,
+    pending_total_key,
     pending_window_key,
     utilization_key,
     window_key,
@@ -33,6 +35,7 @@ from spendgate.streams.scripts.claim import ClaimArgs, ClaimReply
 from spendgate.streams.scripts.heal import HealArgs, HealReply
 from spendgate.streams.scripts.mark import MarkArgs, MarkReply, MarkWrite
 from spendgate.streams.scripts.sample import SampleArgs, SampleReply
+from tests.fixtures import held
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +49,8 @@ def _absorb_key(prefix: str, key: str = KEY, **values: object) -> AbsorbKey:
     return AbsorbKey(
         window_key=window_key(prefix, key),
         pending_window_key=pending_window_key(prefix, key),
+        pending_total_key=pending_total_key(prefix, key),
+        pending_queue_key=pending_queue_key(prefix, key),
         pending_reservations_key=pending_reservations_key(prefix, key),
         version_key=window_version_key(prefix, key),
         utilization_key=utilization_key(prefix),
@@ -89,19 +94,33 @@ def _mark_args(prefix: str, *writes: MarkWrite) -> MarkArgs:
 class TestContracts:
     """Pure: each args type's KEYS and ARGV as the worker sent them, each reply decoded."""
 
-    def test_absorb_encodes_each_budget_keys_five_keys_and_five_plus_n_values(self) -> None:
+    def test_absorb_encodes_each_budget_keys_seven_keys_and_five_plus_n_values(self) -> None:
         first = AbsorbKey(
-            "w1", "pw1", "pr1", "v1", "u", b"\x01win", 60_000, 7, 0.25, ("r-1", "r-2")
+            "w1",
+            "pw1",
+            "pv1",
+            "pq1",
+            "pr1",
+            "v1",
+            "u",
+            b"\x01win",
+            60_000,
+            7,
+            0.25,
+            ("r-1", "r-2"),
         )
-        second = AbsorbKey("w2", "pw2", "pr2", "v2", "u", None, 3_600_000)
+        second = AbsorbKey("w2", "pw2", "pv2", "pq2", "pr2", "v2", "u", None, 3_600_000)
         args = AbsorbArgs([first, second])
-        assert args.keys() == ["w1", "pw1", "pr1", "v1", "u", "w2", "pw2", "pr2", "v2", "u"]
+        assert args.keys() == [
+            *("w1", "pw1", "pv1", "pq1", "pr1", "v1", "u"),
+            *("w2", "pw2", "pv2", "pq2", "pr2", "v2", "u"),
+        ]
         assert args.argv() == [
             *(b"\x01win", 120_000, 7, "0.250000", 2, "r-1", "r-2"),
             *(b"", 7_200_000, "", "", 0),
         ]
         # A version of 0 is a version (compared), not "none".
-        assert AbsorbKey("w", "pw", "pr", "v", "u", b"x", 1_000, 0, 1 / 3).argv() == [
+        assert AbsorbKey("w", "pw", "pv", "pq", "pr", "v", "u", b"x", 1_000, 0, 1 / 3).argv() == [
             b"x",
             2_000,
             0,
@@ -303,6 +322,52 @@ class TestAbsorbScript:
             assert redis_sync.get(part.window_key) == f"w-{i}".encode()
             assert not redis_sync.exists(part.pending_window_key, part.pending_reservations_key)
             assert not redis_sync.exists(part.version_key)  # no version given
+
+
+class TestAbsorbVersion2:
+    def test_an_entry_under_2_leaves_its_field_and_the_sum_and_the_last_one_clears_both(
+        self, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        script = redis_sync.register_script(absorb.SCRIPT.source)
+        part = _absorb_key(key_prefix, window=None, window_ms=MINUTE, reservation_ids=("r-1",))
+        pv, pq, pr = part.pending_total_key, part.pending_queue_key, part.pending_reservations_key
+        redis_sync.hset(pv, mapping={"59999": 100, "119999": 50, "t": 150})
+        redis_sync.rpush(pq, "59999", "119999")
+        redis_sync.hset(
+            pr,
+            mapping={
+                "2:r-1": PendingEntry(59_999, 60).encode(),
+                "2:r-2": PendingEntry(59_999, 40).encode(),
+                "2:r-3": PendingEntry(119_999, 50).encode(),
+                "r-1": PendingEntry(999, 5).encode(),  # the same id held in version 1 too
+            },
+        )
+        redis_sync.hset(part.pending_window_key, "999", 5)
+        args = AbsorbArgs([part])
+        assert AbsorbReply.decode(script(keys=args.keys(), args=args.argv())).moved == 65
+        assert redis_sync.hgetall(pv) == {b"59999": b"40", b"119999": b"50", b"t": b"90"}
+        assert not redis_sync.exists(part.pending_window_key)
+        assert held.pending_v2_consistent(redis_sync, key_prefix, KEY)
+        rest = _absorb_key(
+            key_prefix, window=None, window_ms=MINUTE, reservation_ids=("r-2", "r-3")
+        )
+        args = AbsorbArgs([rest])
+        assert AbsorbReply.decode(script(keys=args.keys(), args=args.argv())).moved == 90
+        assert not redis_sync.exists(pv, pq, pr)
+
+    def test_an_entry_whose_bucket_was_pruned_moves_nothing(
+        self, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        script = redis_sync.register_script(absorb.SCRIPT.source)
+        part = _absorb_key(key_prefix, window=None, window_ms=MINUTE, reservation_ids=("r-1",))
+        pv, pr = part.pending_total_key, part.pending_reservations_key
+        redis_sync.hset(pv, mapping={"119999": 50, "t": 50})
+        redis_sync.rpush(part.pending_queue_key, "119999")
+        redis_sync.hset(pr, "2:r-1", PendingEntry(59_999, 60).encode())
+        args = AbsorbArgs([part])
+        assert AbsorbReply.decode(script(keys=args.keys(), args=args.argv())).moved == 0
+        assert redis_sync.hgetall(pv) == {b"119999": b"50", b"t": b"50"}
+        assert not redis_sync.exists(pr)
 
 
 class TestHealScript:
