@@ -221,6 +221,20 @@ class TestReadMatchesPython:
         for case, got in zip(cases, run(lua_server, cases, "d"), strict=True):
             assert got == [*case.expected(), 1], (case.spec, case.t_ms, case.limit)
 
+    def test_a_refund_cancelling_what_is_pending_in_the_newest_bucket(
+        self, lua_server: LuaServer
+    ) -> None:
+        # The newest bucket nets to zero (absorbed -30, pending +30): the reset is the
+        # older bucket's, as if the newest were empty.
+        spec = WindowSpec(60_000, 1_000, "include")
+        t = 1_700_000_000_250
+        head = t - t % 1_000
+        case = KeyCase(spec, {head - 3_000: 100, head: -30}, 2, 1_000, t, 1_000, 1, 0)
+        case.pending2, case.queue = {head + 999: 30}, [head + 999]
+        got = run(lua_server, [case], "c")[0]
+        assert got[:5] == case.expected()
+        assert got[2] == head - 3_000 + 60_000 + 999 - t
+
 
 @dataclass
 class Reservation:
