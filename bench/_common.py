@@ -102,6 +102,61 @@ def process(
                 proc.wait()
 
 
+#: The folders a checkout installs inside the ``spendgate`` namespace (pyproject.toml's
+#: ``package-dir``), beside the files of its own ``spendgate/`` folder.
+NAMESPACE_DIRS = ("schemas", "streams", "admission", "dashboard")
+
+
+def namespace_tree(checkout: Path, dest: Path) -> Path:
+    """A tree of links laid out as ``checkout`` installs (as ``scripts/check`` builds for
+    mypy): ``dest/spendgate/`` a real folder holding a link to each entry of
+    ``checkout/spendgate/`` and to each of its top-level package folders. With ``dest``
+    first on ``sys.path`` (and the working directory elsewhere than a checkout),
+    ``import spendgate`` is ``checkout``'s code, whatever the interpreter has installed
+    editable: the editable install's finder comes after the path finder. Returns ``dest``."""
+    checkout = checkout.resolve()
+    package = dest / "spendgate"
+    package.mkdir(parents=True)
+    if not (checkout / "spendgate" / "__init__.py").is_file():
+        raise FileNotFoundError(f"{checkout} has no spendgate/__init__.py: not a checkout")
+    for entry in sorted((checkout / "spendgate").iterdir()):
+        if entry.name != "__pycache__":
+            (package / entry.name).symlink_to(entry)
+    for name in NAMESPACE_DIRS:
+        (package / name).symlink_to(checkout / name, target_is_directory=True)
+    return dest
+
+
+@contextlib.contextmanager
+def piped(argv: Sequence[str], env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """Like :func:`process`, with the child's stdin and stdout as text pipes (stderr
+    inherited) for a line protocol; the child is stopped afterwards (by pid)."""
+    parent = os.getpid()
+    proc = subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        preexec_fn=lambda: _die_with(parent),
+    )
+    try:
+        yield proc
+    finally:
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def pct(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values`` (nearest-rank on the sorted list)."""
     if not values:

@@ -7,6 +7,7 @@ every spendgate row, under ``--check``."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,14 +73,30 @@ def _group_members(pgid: int, grace_s: float = 5.0) -> list[str]:
         time.sleep(0.2)
 
 
+def _tables(out: str) -> list[list[dict[str, str]]]:
+    """The rows of every table ``bench._common.print_table`` printed, by header."""
+    blocks: list[list[str]] = [[]]
+    for line in out.splitlines():
+        if line.startswith("|"):
+            if not line.startswith("|-"):  # the header's underline
+                blocks[-1].append(line)
+        elif blocks[-1]:
+            blocks.append([])
+    tables = []
+    for lines in (b for b in blocks if b):
+        headers = [h.strip() for h in lines[0].strip("|").split("|")]
+        tables.append(
+            [
+                dict(zip(headers, (c.strip() for c in line.strip("|").split("|")), strict=True))
+                for line in lines[1:]
+            ]
+        )
+    return tables
+
+
 def _table(out: str) -> list[dict[str, str]]:
     """The rows of the first table ``bench._common.print_table`` printed, by header."""
-    lines = [line for line in out.splitlines() if line.startswith("| ")]
-    headers = [h.strip() for h in lines[0].strip("|").split("|")]
-    return [
-        dict(zip(headers, (c.strip() for c in line.strip("|").split("|")), strict=True))
-        for line in lines[1:]
-    ]
+    return _tables(out)[0]
 
 
 class TestCheckMode:
@@ -113,6 +130,37 @@ class TestBenchSmoke:
         assert "targets:" in out
         (refused,) = [r for r in _table(out) if r["run"].startswith("spendgate /v1/admit refused")]
         assert refused["statuses"].startswith("429:") and "," not in refused["statuses"], refused
+        assert refused["window"] == "1h", refused
+        summary = _tables(out)[-1]
+        assert [r["window"] for r in summary] == ["1h / 1m"], summary
+
+    def test_admission_windows(self, services: Services) -> None:
+        """Two windows in one run, each on its own keys: Lua direct and /v1/admit rows,
+        admitted and refused, for both, and the summary table by window (several windows
+        skip the open-loop and multi-process runs)."""
+        out = _run("bench.admission", services, 90.0, "--window", "1m,24h")
+        rows = _table(out)
+        for window in ("1m", "24h"):
+            mine = {r["run"]: r for r in rows if r["window"] == window}
+            for run, status in (
+                ("spendgate /v1/admit, 1 budget(s)", "200"),
+                ("baseline lua direct, 1 budget(s)", "200"),
+                ("spendgate /v1/admit refused, 1 budget", "429"),
+                ("baseline lua direct refused, 1 budget", "429"),
+            ):
+                assert mine[run]["statuses"].split(":")[0] == status, mine[run]
+                assert "," not in mine[run]["statuses"], mine[run]
+            lua = mine["baseline lua direct, 1 budget(s)"]
+            assert float(lua["Redis script us/req"].replace(",", "")) > 0, lua
+        assert all(r["load"] == "closed" for r in rows), rows
+        assert "window 1m / 1s:" in out and "window 24h / 1m:" in out
+        assert "summary by window" in out
+        summary = _tables(out)[-1]
+        assert [r["window"] for r in summary] == ["1m / 1s", "24h / 1m"], summary
+        for row in summary:
+            assert float(row["lua 1 /s"].replace(",", "")) > 0, row
+            assert float(row["lua refused 1 /s"].replace(",", "")) > 0, row
+            assert float(row["admit 1 /s"].replace(",", "")) > 0, row
 
     def test_admission_ab_against_itself(self, services: Services) -> None:
         """Both servers run and answer as expected (the tool fails on any other status)."""
@@ -126,17 +174,26 @@ class TestBenchSmoke:
         ]
         assert all(int(r["n"].replace(",", "")) > 0 for r in rows), rows
 
-    def test_admit_script_ab_against_itself(self, services: Services) -> None:
-        """Both scripts run on every case and decide alike (the tool fails otherwise)."""
-        out = _run("bench.admit_script_ab", services, 120.0, "--against", str(ROOT))
+    def test_admit_script_ab_against_a_copy(self, services: Services, tmp_path: Path) -> None:
+        """Both checkouts' helpers run their own code (the copy's modules are imported from
+        the copy, not from the installed checkout), every case runs and both decide alike
+        (the tool fails otherwise)."""
+        other = tmp_path / "other"
+        for name in ("spendgate", "schemas", "streams", "admission", "dashboard"):
+            shutil.copytree(ROOT / name, other / name, ignore=shutil.ignore_patterns("__pycache__"))
+        out = _run("bench.admit_script_ab", services, 120.0, "--against", str(other))
+        assert f"new: imports {ROOT / 'schemas' / '__init__.py'};" in out
+        assert f"old: imports {other.resolve() / 'schemas' / '__init__.py'};" in out
         rows = _table(out)
         assert [(r["window"], r["budgets"], r["requests"]) for r in rows] == [
             (w, b, p)
-            for w in ("1h / 1 min", "24h / 1 min")
+            for w in ("1h / 1m", "24h / 1m")
             for b in ("1", "5")
             for p in ("admitted", "refused")
         ]
-        assert all(float(r["this us/call"].replace(",", "")) > 0 for r in rows), rows
+        for row in rows:
+            assert float(row["new us/call"].replace(",", "")) > 0, row
+            assert float(row["old us/call"].replace(",", "")) > 0, row
 
     def test_overshoot(self, services: Services) -> None:
         out = _run("bench.overshoot", services, 60.0, "--check")  # exits 1 on a miss
