@@ -69,15 +69,18 @@ end
 local function pending_read(x, now)
   local b = x.bucket
   local q = {total = 0, full = 0, edge = 0, stale = {}, stale_sum = 0, ok = true, tail = {}}
-  local total = redis.call('HGET', x.pvkey, PENDING_TOTAL)
-  if not total then return q end
-  q.total = tonumber(total)
   local head = now - window_mod(now, b)
   local live = now + 1 - window_mod(now + 1, b) - x.window
   local oldest_full = head - x.window + b
-  local edge_fields, from = {}, 0
+  local chunk = redis.call('LRANGE', x.pqkey, 0, 7)
+  if #chunk == 0 then
+    local total = tonumber(redis.call('HGET', x.pvkey, PENDING_TOTAL) or '0')
+    -- The sum names amounts the list lost (its key expired apart from the hash).
+    if total ~= 0 then q.total, q.ok, q.repair = total, false, true end
+    return q
+  end
+  local edge_fields, from, whole = {}, 0, #chunk < 8
   while true do
-    local chunk = redis.call('LRANGE', x.pqkey, from, from + 7)
     local j, stop = 1, false
     while j <= #chunk do
       local f = tonumber(chunk[j])
@@ -93,20 +96,23 @@ local function pending_read(x, now)
     end
     if stop or #chunk < 8 then break end
     from = from + 8
+    chunk = redis.call('LRANGE', x.pqkey, from, from + 7)
+    whole = false
   end
-  local tail = redis.call('LRANGE', x.pqkey, -4, -1)
+  local tail = chunk
+  if not whole then
+    tail = redis.call('LRANGE', x.pqkey, -4, -1)
+  elseif #tail > 4 then
+    tail = {unpack(chunk, #chunk - 3, #chunk)}
+  end
   q.tail = tail
-  local ask = {}
+  local ask = {PENDING_TOTAL}
   for i = 1, #q.stale do ask[#ask + 1] = q.stale[i] end
   for i = 1, #edge_fields do ask[#ask + 1] = edge_fields[i] end
   for i = #tail, 1, -1 do ask[#ask + 1] = tail[i] end
-  if #ask == 0 then
-    -- The sum names amounts the list lost (its key expired apart from the hash).
-    if q.total ~= 0 then q.ok, q.repair = false, true end
-    return q
-  end
   local got = redis.call('HMGET', x.pvkey, unpack(ask))
-  local i = 0
+  q.total = tonumber(got[1]) or 0
+  local i = 1
   for _ = 1, #q.stale do
     i = i + 1
     q.stale_sum = q.stale_sum + (tonumber(got[i]) or 0)
@@ -118,8 +124,10 @@ local function pending_read(x, now)
   -- From the newest entry back: buckets after head do not count yet; the first present
   -- one is the newest bucket.
   local later, past_head = 0, false
+  q.tail_amounts = {}
   for k = 1, #tail do
     local amount = tonumber(got[i + k])
+    q.tail_amounts[#tail + 1 - k] = amount
     local f = tonumber(tail[#tail + 1 - k])
     local start = f - window_mod(f, b)
     if start <= head then past_head = true end
@@ -131,7 +139,7 @@ local function pending_read(x, now)
   q.full = q.total - q.stale_sum - q.edge - later
   -- Amounts still pending but the last entries settle neither what lies after head nor
   -- the newest bucket: read the key whole.
-  if not past_head and #tail == 4 then q.ok = false end
+  if not past_head and not whole then q.ok = false end
   if not q.newest and q.full + q.edge ~= 0 then q.ok = false end
   return q
 end
@@ -274,7 +282,9 @@ local function pending_requeue(x)
     for j = i, math.min(i + 999, #fields) do part[#part + 1] = string.format('%d', fields[j]) end
     redis.call('RPUSH', x.pqkey, unpack(part))
   end
-  x.q.tail = {}
+  local ttl = redis.call('PTTL', x.pvkey)
+  if ttl > 0 then redis.call('PEXPIRE', x.pqkey, ttl) end
+  x.q.tail, x.q.tail_amounts = {}, nil
   if #fields > 0 then x.q.tail = {string.format('%d', fields[#fields])} end
 end
 
@@ -284,28 +294,38 @@ local function key_hold(x, entry, amount, now)
   end
   local q = x.q
   if q.repair then pending_requeue(x) end
+  local total = q.total
   if #q.stale > 0 then
     redis.call('LPOP', x.pqkey, #q.stale)
-    for i = 1, #q.stale, 1000 do
-      redis.call('HDEL', x.pvkey, unpack(q.stale, i, math.min(i + 999, #q.stale)))
-    end
-    if q.total - q.stale_sum == 0 then
+    total = total - q.stale_sum
+    if total == 0 then
       redis.call('DEL', x.pvkey, x.pqkey)
       q.tail = {}
-    elseif q.stale_sum ~= 0 then
-      redis.call('HINCRBY', x.pvkey, PENDING_TOTAL, string.format('%d', -q.stale_sum))
+    else
+      for i = 1, #q.stale, 1000 do
+        redis.call('HDEL', x.pvkey, unpack(q.stale, i, math.min(i + 999, #q.stale)))
+      end
+      if amount <= 0 or not x.hold_v2 then
+        redis.call('HSET', x.pvkey, PENDING_TOTAL, string.format('%d', total))
+      end
     end
   end
   if amount <= 0 then return end
   local field = window_pending_field(now, x.bucket)
-  local amount_text = string.format('%d', amount)
   local span = x.window + x.bucket
   if x.hold_v2 then
+    -- Every key here lives window + bucket past the first amount of its newest bucket:
+    -- long enough for every bucket it holds to age out.
     local tail = q.tail
     local newest = tail[#tail]
-    if not newest or tonumber(newest) < tonumber(field) then
+    local held = nil  -- what the bucket holds already, when read above
+    local pushed = not newest or tonumber(newest) < tonumber(field)
+    if pushed then
       redis.call('RPUSH', x.pqkey, field)
-    elseif newest ~= field then
+      held = 0
+    elseif newest == field then
+      if q.tail_amounts then held = q.tail_amounts[#tail] or 0 end
+    else
       -- The clock went back a bucket or more: in order before the newer entries (only
       -- the last ones are looked at; an entry out of order counts until the one before it
       -- leaves, never less).
@@ -316,15 +336,24 @@ local function key_hold(x, entry, amount, now)
       end
       if not known then redis.call('LINSERT', x.pqkey, 'BEFORE', before, field) end
     end
-    redis.call('HINCRBY', x.pvkey, field, amount_text)
-    redis.call('HINCRBY', x.pvkey, PENDING_TOTAL, amount_text)
+    local total_text = string.format('%d', total + amount)
+    if held then
+      redis.call('HSET', x.pvkey, field, string.format('%d', held + amount), PENDING_TOTAL,
+                 total_text)
+    else
+      redis.call('HINCRBY', x.pvkey, field, string.format('%d', amount))
+      redis.call('HSET', x.pvkey, PENDING_TOTAL, total_text)
+    end
     redis.call('HSET', x.prkey, PENDING_V2 .. entry, pending_entry_encode(field, amount))
-    redis.call('PEXPIRE', x.pvkey, span)
-    redis.call('PEXPIRE', x.pqkey, span)
+    if pushed then
+      redis.call('PEXPIRE', x.pvkey, span)
+      redis.call('PEXPIRE', x.pqkey, span)
+      redis.call('PEXPIRE', x.prkey, span)
+    end
   else
-    redis.call('HINCRBY', x.pwkey, field, amount_text)
+    redis.call('HINCRBY', x.pwkey, field, string.format('%d', amount))
     redis.call('HSET', x.prkey, entry, pending_entry_encode(field, amount))
     redis.call('PEXPIRE', x.pwkey, span)
+    redis.call('PEXPIRE', x.prkey, span)
   end
-  redis.call('PEXPIRE', x.prkey, span)
 end

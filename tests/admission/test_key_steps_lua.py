@@ -235,6 +235,31 @@ class TestReadMatchesPython:
         assert got[:5] == case.expected()
         assert got[2] == head - 3_000 + 60_000 + 999 - t
 
+    def test_a_queue_lost_apart_from_its_hash_is_rebuilt_by_the_next_hold(
+        self, lua_server: LuaServer
+    ) -> None:
+        spec = WindowSpec(60_000, 1_000, "include")
+        t = 1_700_000_000_250
+        names = keys(lua_server.prefix, "lost")
+        client = lua_server.client
+        client.set(names[0], encode({}, spec.bucket_ms))
+        client.hset(names[2], mapping={str(t - 250 + 999): 5, str(t - 2_250 + 999): 7, "t": 12})
+        client.pexpire(names[2], 30_000)
+        hold = lua_server.script(KEY_CHECK)
+        argv = ["hold", t, spec.window_ms, spec.bucket_ms, spec.boundary, 10**9, 3, "r"]
+        assert hold(keys=names, args=argv) == [0, 12, 0]  # counted, read whole
+        assert client.hgetall(names[2]) == {
+            str(t - 250 + 999).encode(): b"8",
+            str(t - 2_250 + 999).encode(): b"7",
+            b"t": b"15",
+        }
+        assert client.lrange(names[3], 0, -1) == [
+            str(t - 2_250 + 999).encode(),
+            str(t - 250 + 999).encode(),
+        ]
+        assert 0 < client.pttl(names[3]) <= 30_000
+        assert held.pending_v2_consistent(client, lua_server.prefix, "lost")
+
 
 @dataclass
 class Reservation:
@@ -282,6 +307,8 @@ class TestHoldsAndAbsorbs:
                 assert entry.field >= pending_last(t, spec.bucket_ms)
                 open_.append(Reservation(rid, entry.field, amount))
             assert held.pending_v2_consistent(client, lua_server.prefix, "steps")
+            for name in names[2:]:  # never without an expiry, never past window + bucket
+                assert client.pttl(name) in (-2, *range(1, spec.window_ms + spec.bucket_ms + 1))
             latest = max(latest, t)
             self._check(lua_server, names, spec, t, latest, open_)
 
