@@ -130,7 +130,8 @@ def namespace_tree(checkout: Path, dest: Path) -> Path:
 @contextlib.contextmanager
 def piped(argv: Sequence[str], env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
     """Like :func:`process`, with the child's stdin and stdout as text pipes (stderr
-    inherited) for a line protocol; the child is stopped afterwards (by pid)."""
+    inherited) for a line protocol and ``env`` its whole environment (not added to this
+    one's); the child is stopped afterwards (by pid) and dies with this process."""
     parent = os.getpid()
     proc = subprocess.Popen(
         list(argv),
