@@ -8,8 +8,13 @@
 --     parallel arrays sorted by bucket start in bucket_ms buckets; a value stored in
 --     another width (the policy's bucket changed) is moved as windows.rebucket does;
 --     raises on an unknown version. Work: O(buckets).
---   window_view(raw, bucket_ms) -> v | nil: a reader of a version-2 value stored in
---     bucket_ms buckets (raw false: the empty window), or nil for anything else (decode it)
+--   window_view(first, bucket_ms, read) -> v | nil: a reader of a version-2 value stored
+--     in bucket_ms buckets, from its first bytes (WINDOW_FIRST_BYTES of them, or all;
+--     false or '': the empty window) and read(from, to), which returns the bytes from..to
+--     (GETRANGE) for the rest (the last slot is read at once); nil for anything else
+--     (decode it).
+--   window_fetch(v, lo, hi): read dense slots lo..hi at once (ahead of prefix reads);
+--     window_index(v, s) -> the slot of the bucket at s
 --   window_prefix(v, s) -> the sum of the amounts of v's buckets starting at or before s
 --     (bucket-aligned); window_amount(v, s) -> the amount of the bucket at s;
 --     window_newest(v) -> the start of v's newest bucket, or nil when v is empty;
@@ -17,13 +22,18 @@
 --     Work: O(1) dense, O(log n) sparse.
 --   window_share(boundary, edge, t_ms, bucket_ms) -> what the boundary bucket's amount
 --     edge counts at t_ms
---   window_search_retry(full_of, edge_of, t_ms, window_ms, bucket_ms, boundary, room)
---     -> fits_at_ms | nil: window_retry_after's answer (limit - extra - amount = room >= 0)
+--   window_search_retry(full_of, edge_of, t_ms, window_ms, bucket_ms, boundary, room,
+--     coarse) -> fits_at_ms | nil: window_retry_after's answer (limit - extra - amount =
+--     room >= 0)
 --     when the total can only fall from t_ms on (no negative amount from the boundary
 --     bucket on, nothing after the bucket of t_ms: the caller checks), by binary search
 --     over the bucket periods; full_of(P) is the sum of the buckets in
 --     [P - window_ms + bucket_ms, P], edge_of(P) the amount of the bucket P - window_ms.
---     Work: O(log(window / bucket)) calls of each.
+--     Work: O(log(window / bucket)) calls of each. coarse, when given ({first, stride,
+--     narrow}), searches the periods first + j * stride first, then calls narrow(lo, hi)
+--     with the periods left (at most stride of them), to read them at once.
+--   window_summary(v): read a dense value's summary (after which window_prefix reads
+--     every WINDOW_GROUP-th slot from it)
 --   window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total
 --   window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
 --     extra, amount) -> fits_at_ms | nil, never_fits: as windows.retry_after
@@ -271,16 +281,91 @@ local function window_reset_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   return gone - t_ms
 end
 
--- A version-2 value read in place: its header, and its body at computed offsets.
-local function window_view(raw, bucket_ms)
-  if not raw then return {n = 0, kind = 1, base = 0, b = bucket_ms, neg = -1} end
-  if string.byte(raw, 1) ~= 2 then return nil end
-  local _, kind, stored_ms, base, count, neg = struct.unpack('<BBI4i8I4i8', raw)
+-- A version-2 value read in place: its header, and its body at computed offsets. A dense
+-- value longer than its first bytes is read in ranges (GETRANGE: copying a 12 KB value
+-- into Lua costs more than the whole decision), its slots kept once read.
+local WINDOW_FIRST_BYTES = 66  -- the header, the first 4 dense slots and a summary entry
+local WINDOW_GROUP = 32  -- dense slots per summary entry (window_codec.SUMMARY_GROUP)
+
+local function window_view(first, bucket_ms, read)
+  if not first or first == '' then
+    return {n = 0, kind = 1, base = 0, b = bucket_ms, neg = -1, slots = {}}
+  end
+  if string.byte(first, 1) ~= 2 or #first < 26 then return nil end
+  local _, kind, stored_ms, base, count, neg, s0, s1, s2, s3 = struct.unpack(
+    '<BBI4i8I4i8' .. string.rep('i8', math.min(4, math.floor((#first - 26) / 8))), first)
   if stored_ms ~= bucket_ms then return nil end
   if kind ~= 0 and kind ~= 1 then
     error('spendgate window state: unknown kind ' .. tostring(kind))
   end
-  return {raw = raw, kind = kind, b = stored_ms, base = base, n = count, neg = neg}
+  local v = {kind = kind, b = stored_ms, base = base, n = count, neg = neg}
+  local size = 26 + count * 12
+  if kind == 1 then size = 26 + 8 * (count + math.ceil(count / WINDOW_GROUP)) end
+  if #first >= size then
+    v.raw = first
+  elseif kind == 0 then
+    v.raw = read(0, -1)  -- sparse: searched in place, so read whole
+  else
+    -- The first 4 slots, and the last (the newest bucket's prefix: the window's sum).
+    v.read, v.size = read, size
+    v.slots = {[0] = s0, s1, s2, s3}
+    v.slots[count - 1] = (struct.unpack('<i8', read(size - 8, size - 1)))
+  end
+  return v
+end
+
+-- Read dense slots lo..hi (clipped to the value) unless every one is known already: a
+-- few into the slot cache, a longer run kept as bytes (the block), read where needed.
+local function window_fetch(v, lo, hi)
+  if v.raw or v.n == 0 then return end
+  if lo < 0 then lo = 0 end
+  if hi > v.n - 1 then hi = v.n - 1 end
+  if hi < lo then return end
+  local block = v.block
+  if block and lo >= block.lo and hi <= block.hi then return end
+  local missing = false
+  for i = lo, math.min(hi, lo + 3) do
+    if v.slots[i] == nil then
+      missing = true
+      break
+    end
+  end
+  if not missing and hi - lo <= 3 then return end
+  local bytes = v.read(26 + 8 * lo, 26 + 8 * hi + 7)
+  if hi - lo <= 3 then
+    local values = {struct.unpack('<' .. string.rep('i8', hi - lo + 1), bytes)}
+    for j = 0, hi - lo do v.slots[lo + j] = values[j + 1] end
+  else
+    v.block = {lo = lo, hi = hi, bytes = bytes}
+  end
+end
+
+local function window_index(v, s)
+  return math.floor((s - v.base) / v.b)
+end
+
+-- Read the dense summary (every WINDOW_GROUP-th slot's prefix) of a value read in ranges.
+local function window_summary(v)
+  if v.raw or v.summary or v.n == 0 then return end
+  v.summary = v.read(26 + 8 * v.n, v.size - 1)
+end
+
+-- A dense slot's prefix, from wherever it is known (read when not).
+local function window_slot(v, i)
+  if v.raw then return (struct.unpack('<i8', v.raw, 27 + 8 * i)) end
+  local block = v.block
+  if block and i >= block.lo and i <= block.hi then
+    return (struct.unpack('<i8', block.bytes, 1 + 8 * (i - block.lo)))
+  end
+  local value = v.slots[i]
+  if value == nil and v.summary and (window_mod(i, WINDOW_GROUP) == WINDOW_GROUP - 1) then
+    value = (struct.unpack('<i8', v.summary, 1 + 8 * math.floor(i / WINDOW_GROUP)))
+  end
+  if value == nil then
+    window_fetch(v, i, i)
+    value = v.slots[i]
+  end
+  return value
 end
 
 -- Header: 26 bytes, so the body starts at position 27; a sparse entry is 12 bytes (offset
@@ -291,10 +376,10 @@ end
 
 local function window_prefix(v, s)
   if v.n == 0 or s < v.base then return 0 end
-  local idx = math.floor((s - v.base) / v.b)
+  local idx = window_index(v, s)
   if v.kind == 1 then
     if idx >= v.n then idx = v.n - 1 end
-    return (struct.unpack('<i8', v.raw, 27 + 8 * idx))
+    return window_slot(v, idx)
   end
   -- The last entry whose offset is at most idx (the first one's is 0).
   local lo, hi = 0, v.n - 1
@@ -332,16 +417,38 @@ end
 -- millisecond, where the boundary bucket counts nothing: iff full_of(period) <= room, a
 -- predicate that holds from some period on. Find that period, then the offset in it.
 local function window_search_retry(full_of, edge_of, t_ms, window_ms, bucket_ms, boundary,
-                                   room)
+                                   room, coarse)
   window_check_boundary(boundary)
   local head = t_ms - window_mod(t_ms, bucket_ms)
+  local function fits(k) return full_of(head + k * bucket_ms) <= room end
   local k = 0
-  if full_of(head) > room then
+  if not fits(0) then
     local lo, hi = 0, window_ms / bucket_ms  -- full_of(head + window_ms) sums nothing
-    if full_of(head + hi * bucket_ms) > room then return nil end
+    if not fits(hi) then return nil end
+    if coarse then
+      -- First over the periods coarse.first + j * coarse.stride only (cheap to read),
+      -- then inside the stride found, its slots read at once (coarse.narrow).
+      local jmax = math.floor((hi - coarse.first) / coarse.stride)
+      if jmax >= 0 then
+        local function at(j) return coarse.first + j * coarse.stride end
+        if fits(at(0)) then
+          hi = at(0)
+        elseif not fits(at(jmax)) then
+          lo = at(jmax)
+        else
+          local jl, jh = 0, jmax
+          while jh - jl > 1 do
+            local mid = math.floor((jl + jh) / 2)
+            if fits(at(mid)) then jh = mid else jl = mid end
+          end
+          lo, hi = at(jl), at(jh)
+        end
+      end
+      coarse.narrow(head + lo * bucket_ms, head + hi * bucket_ms)
+    end
     while hi - lo > 1 do
       local mid = math.floor((lo + hi) / 2)
-      if full_of(head + mid * bucket_ms) <= room then hi = mid else lo = mid end
+      if fits(mid) then hi = mid else lo = mid end
     end
     k = hi
   end

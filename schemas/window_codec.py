@@ -16,6 +16,8 @@ All integers are little-endian. Layout, version 2 (what ``encode`` writes)::
     dense body: n slots of 8 bytes; slot i covers the bucket at base_ms + i * bucket_ms
       +0   8     i64   prefix: the sum of the amounts of every bucket up to and including
                        this one (first and last bucket non-zero)
+    then the summary: ceil(n / 32) entries of 8 bytes; entry k is slot
+      min(32 * k + 31, n - 1)'s prefix (the last entry: the window's sum)
     sparse body: n entries of 12 bytes, offsets strictly increasing
       +0   4     u32   offset: the bucket starts at base_ms + offset * bucket_ms
       +4   8     i64   prefix: the sum of the amounts up to and including this bucket
@@ -25,15 +27,18 @@ Prefix sums make the trailing total and the boundary bucket two or three reads a
 computed offsets, whatever the window's length (``window.lua``: ``window_view``); ``neg_ms``
 tells a reader in O(1) whether the total over later instants can only fall (no negative
 amount from the boundary bucket on), which is what lets the refused path search for its
-Retry-After instead of walking every bucket.
+Retry-After instead of walking every bucket; the dense summary lets that search read the
+summary and one group of 32 slots, never the whole value.
 
 Version 1 (still read, never written; a worker of the previous release writes it) has
 the 18-byte header without ``neg_ms`` and each bucket's own amount instead of the prefix.
 
-``encode`` picks whichever body is smaller (dense when ``8 * span <= 12 * n``, with
-``span`` the buckets from the oldest to the newest non-empty one). The empty state is
+``encode`` picks whichever body is smaller (dense when its slots and summary take no more
+than ``12 * n`` bytes, with ``span`` the buckets from the oldest to the newest non-empty
+one), except that a sparse body is never longer than ``SPARSE_MAX_BYTES``: admission reads
+a sparse value whole and a dense one in place, so every value costs it the same. The empty state is
 the 26-byte header with ``n = 0``. Sizes: a dense 24 h window of 1 min buckets (1440
-non-empty buckets) is 11,546 bytes; 60 sparse buckets are 746 bytes.
+non-empty buckets) is 11,906 bytes; 60 sparse buckets are 746 bytes.
 
 Lua numbers are doubles, exact to 2**53, so ``encode`` refuses a state whose absolute
 amounts sum to more than ``MAX_SAFE_AMOUNT``: every prefix and every partial sum the Lua
@@ -74,6 +79,8 @@ __all__ = [
     "KIND_SPARSE",
     "MAX_SAFE_AMOUNT",
     "PENDING_TOTAL_FIELD",
+    "SPARSE_MAX_BYTES",
+    "SUMMARY_GROUP",
     "DecodedState",
     "decode",
     "decode_pending",
@@ -91,6 +98,11 @@ KIND_SPARSE = 0
 KIND_DENSE = 1
 #: Largest integer a double (a Lua number in Redis) holds exactly.
 MAX_SAFE_AMOUNT = 2**53 - 1
+#: The longest sparse body ``encode`` writes (version 2): a sparse value is read whole, a
+#: dense one in place, so anything longer is written dense.
+SPARSE_MAX_BYTES = 2048
+#: Dense slots per entry of a version-2 value's summary.
+SUMMARY_GROUP = 32
 #: The field of a version-2 pending window that holds the sum of its bucket fields.
 PENDING_TOTAL_FIELD = "t"
 _TOTAL_BYTES = PENDING_TOTAL_FIELD.encode()
@@ -160,19 +172,28 @@ def encode(buckets: Mapping[int, int], bucket_ms: int, version: int = FORMAT_VER
     if version == 2:
         values = list(accumulate(values))
     span = last + 1
-    if 8 * span <= 12 * len(items):
+    dense_size = 8 * span + (8 * -(-span // SUMMARY_GROUP) if version == 2 else 0)
+    sparse_size = 12 * len(items)
+    if dense_size <= sparse_size or (version == 2 and sparse_size > SPARSE_MAX_BYTES):
         slots = [0] * span
         for start, amount in items:
             slots[(start - base) // bucket_ms] = amount
         if version == 2:
             slots = list(accumulate(slots))  # an empty bucket's prefix is the one before
+            slots += _summary(slots)
         header = _header(version, KIND_DENSE, bucket_ms, base, span, neg_ms)
-        return header + struct.pack(f"<{span}q", *slots)
+        return header + struct.pack(f"<{len(slots)}q", *slots)
     body = b"".join(
         _PAIR.pack((start - base) // bucket_ms, value)
         for (start, _), value in zip(items, values, strict=True)
     )
     return _header(version, KIND_SPARSE, bucket_ms, base, len(items), neg_ms) + body
+
+
+def _summary(prefixes: list[int]) -> list[int]:
+    """The dense summary: every ``SUMMARY_GROUP``-th prefix, and the last."""
+    n = len(prefixes)
+    return [prefixes[min(k + SUMMARY_GROUP - 1, n - 1)] for k in range(0, n, SUMMARY_GROUP)]
 
 
 def _header(version: int, kind: int, bucket_ms: int, base: int, n: int, neg_ms: int) -> bytes:
@@ -216,9 +237,13 @@ def decode(data: bytes) -> DecodedState:
     starts: list[int] = []
     values: list[int] = []
     if kind == KIND_DENSE:
-        if body != 8 * count:
+        groups = -(-count // SUMMARY_GROUP) if version == 2 else 0
+        if body != 8 * (count + groups):
             raise ValueError(f"window state: dense body of {body} bytes for {count} slots")
         values = list(struct.unpack_from(f"<{count}q", data, header.size))
+        summary = struct.unpack_from(f"<{groups}q", data, header.size + 8 * count)
+        if version == 2 and list(summary) != (_summary(values) if count else []):
+            raise ValueError("window state: the dense summary does not match its slots")
         starts = [base + index * bucket_ms for index in range(count)]
     elif kind == KIND_SPARSE:
         if body != _PAIR.size * count:

@@ -66,9 +66,10 @@ end
 -- of a wider bucket width, or the clock went back), the newest bucket. q.ok is false when
 -- the list's last entries do not settle the newest bucket or the list lost entries (then
 -- the key is read whole); q.repair when the hash holds amounts the list does not name.
-local function pending_read(x, now)
+local function pending_read(x, now, v2)
   local b = x.bucket
   local q = {total = 0, full = 0, edge = 0, stale = {}, stale_sum = 0, ok = true, tail = {}}
+  if not v2 then return q end
   local head = now - window_mod(now, b)
   local live = now + 1 - window_mod(now + 1, b) - x.window
   local oldest_full = head - x.window + b
@@ -147,6 +148,7 @@ end
 -- Every pending bucket of both versions, absorbed and pending merged bucket by bucket.
 local function key_arrays(x, now)
   if x.starts then return end
+  if x.raw == nil then x.raw = redis.call('GET', x.wkey) end
   local pending = redis.call('HGETALL', x.pwkey)
   local p1 = #pending
   local v2 = redis.call('HGETALL', x.pvkey)
@@ -158,16 +160,32 @@ local function key_arrays(x, now)
 end
 
 local function key_load(x, now)
-  x.raw = redis.call('GET', x.wkey)
-  x.hold_v2 = x.raw and string.byte(x.raw, 1) == 2
-  x.q = pending_read(x, now)
-  x.view = window_view(x.raw, x.bucket)
-  if x.view and x.q.ok and redis.call('EXISTS', x.pwkey) == 0 then
+  local first = redis.call('GETRANGE', x.wkey, 0, WINDOW_FIRST_BYTES - 1)
+  x.hold_v2 = string.byte(first, 1) == 2
+  -- Which pending windows exist: one call, and none more when neither does.
+  local held = redis.call('EXISTS', x.pwkey, x.pvkey)
+  x.q = pending_read(x, now, held > 0)
+  -- The version-1 window exists when both do, or when the one that does holds no sum.
+  local v1 = held == 2
+  if held == 1 and x.q.total == 0 and not x.q.repair then
+    v1 = redis.call('EXISTS', x.pwkey) == 1
+  end
+  local wkey = x.wkey
+  x.view = window_view(first, x.bucket, function(a, z)
+    return redis.call('GETRANGE', wkey, a, z)
+  end)
+  if first == '' then x.raw = false elseif x.view and x.view.raw then x.raw = x.view.raw end
+  if x.view and x.q.ok and not v1 then
     local b = x.bucket
+    local v = x.view
     local edge_start = now - window_mod(now, b) - x.window
-    local at_edge = window_prefix(x.view, edge_start)
-    local full = window_prefix(x.view, edge_start + x.window) - at_edge
-    local edge = at_edge - window_prefix(x.view, edge_start - b)
+    if not v.raw then  -- usually known already: the first slots and the last
+      local e = window_index(v, edge_start)
+      window_fetch(v, e - 1, e)
+    end
+    local at_edge = window_prefix(v, edge_start)
+    local full = window_prefix(v, edge_start + x.window) - at_edge
+    local edge = at_edge - window_prefix(v, edge_start - b)
     local absorbed = full + window_share(x.boundary, edge, now, b)
     x.used = absorbed
     x.reserved = full + x.q.full + window_share(x.boundary, edge + x.q.edge, now, b) - absorbed
@@ -260,8 +278,17 @@ local function key_retry_after(x, now)
     local function edge_of(period)
       return window_amount(v, period - w) + pending_at(period - w)
     end
-    return window_search_retry(full_of, edge_of, now, w, b, x.boundary, x.limit - x.amount),
-      false
+    local coarse = nil
+    if not v.raw and v.n > 0 then
+      -- Read in ranges: search the summary's slots first, then one group of slots.
+      window_summary(v)
+      local first = window_mod(WINDOW_GROUP - 1 - window_index(v, head - w), WINDOW_GROUP)
+      coarse = {first = first, stride = WINDOW_GROUP, narrow = function(lo, hi)
+        window_fetch(v, window_index(v, lo - w) - 1, window_index(v, hi - w))
+      end}
+    end
+    return window_search_retry(full_of, edge_of, now, w, b, x.boundary, x.limit - x.amount,
+                               coarse), false
   end
   key_arrays(x, now)
   return window_retry_after(x.starts, x.amounts, x.count, now, w, b, x.boundary, x.limit, 0,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
+import pytest
+
 from spendgate.schemas.redis_values import PendingEntry
 from spendgate.schemas.window_codec import decode_pending, encode, read
 from spendgate.schemas.windows import BOUNDARIES, Buckets, WindowSpec, add, combine, retry_after
@@ -220,6 +222,25 @@ class TestReadMatchesPython:
         cases = [dense_day_case(rng) for _ in range(40)]
         for case, got in zip(cases, run(lua_server, cases, "d"), strict=True):
             assert got == [*case.expected(), 1], (case.spec, case.t_ms, case.limit)
+
+    @pytest.mark.parametrize("older", [0, 5, 31, 32])
+    def test_every_retry_offset_of_a_full_day_read_in_ranges(
+        self, lua_server: LuaServer, older: int
+    ) -> None:
+        # A uniform dense day: the limit picks how many buckets must age out, so the answers
+        # fall on every offset around the summary's strides (32 slots) and at the ends;
+        # buckets older than the window shift where the strides fall.
+        spec = WindowSpec(86_400_000, 60_000, "prorate")
+        t = 1_700_000_000_000 + 12_345
+        head = t - t % 60_000
+        buckets = {head - m * 60_000: 100 for m in range(1440 + older)}
+        cases = []
+        for out in [*range(0, 70), *range(1370, 1441)]:
+            case = KeyCase(spec, dict(buckets), 2, 60_000, t, 0, 50, 0)
+            case.limit = 100 * (1440 - out) + 50 - 1
+            cases.append(case)
+        for case, got in zip(cases, run(lua_server, cases, "u"), strict=True):
+            assert got == [*case.expected(), 1], case.limit
 
     def test_a_refund_cancelling_what_is_pending_in_the_newest_bucket(
         self, lua_server: LuaServer

@@ -14,6 +14,7 @@ from spendgate.schemas.window_codec import (
     KIND_DENSE,
     KIND_SPARSE,
     MAX_SAFE_AMOUNT,
+    SPARSE_MAX_BYTES,
     DecodedState,
     decode,
     encode,
@@ -43,8 +44,17 @@ class TestLayout:
         )
 
     def test_dense_bytes_hold_prefix_sums_an_empty_slot_repeats_the_one_before(self) -> None:
-        data = encode({NOW: 5, NOW + MINUTE: 6, NOW + 3 * MINUTE: 7}, MINUTE)
-        assert data == struct.pack("<BBIqIq4q", 2, KIND_DENSE, MINUTE, NOW, 4, -1, 5, 11, 11, 18)
+        data = encode({NOW + i * MINUTE: 1 for i in (0, 1, 2, 4)}, MINUTE)
+        # 5 slots (the empty 4th repeats the 3rd's prefix), then the summary: 1 entry.
+        assert data == struct.pack("<BBIqIq6q", 2, KIND_DENSE, MINUTE, NOW, 5, -1, 1, 2, 3, 3, 4, 4)
+
+    def test_the_dense_summary_holds_every_32nd_prefix_and_the_last(self) -> None:
+        data = encode({NOW + i * MINUTE: 2 for i in range(70)}, MINUTE)
+        assert data[1] == KIND_DENSE and len(data) == HEADER_SIZE + 8 * (70 + 3)
+        assert struct.unpack_from("<3q", data, HEADER_SIZE + 8 * 70) == (64, 128, 140)
+        corrupt = data[:-8] + struct.pack("<q", 139)
+        with pytest.raises(ValueError, match="summary"):
+            decode(corrupt)
 
     def test_a_prefix_of_zero_is_a_bucket_not_a_gap(self) -> None:
         buckets = {NOW: 5, NOW + MINUTE: -5, NOW + 2 * MINUTE: 1}
@@ -73,7 +83,7 @@ class TestSize:
         buckets = {NOW + i * MINUTE: 1_000_000 + i for i in range(1440)}
         data = encode(buckets, MINUTE)
         assert data[1] == KIND_DENSE
-        assert len(data) == 11_546 <= 16 * 1024
+        assert len(data) == 11_906 <= 16 * 1024  # 1440 slots, 45 summary entries
         assert decode(data).buckets == buckets
 
     def test_sparse_sixty_buckets_across_a_day(self) -> None:
@@ -87,7 +97,11 @@ class TestSize:
     def test_grows_with_non_empty_buckets_not_with_span(self, count: int) -> None:
         spread = {NOW + i * 1440 * MINUTE // count: 1 for i in range(count)}
         spread = {start - start % MINUTE: amount for start, amount in spread.items()}
-        assert len(encode(spread, MINUTE)) <= HEADER_SIZE + 12 * count
+        data = encode(spread, MINUTE)
+        if 12 * count <= SPARSE_MAX_BYTES:
+            assert len(data) <= HEADER_SIZE + 12 * count
+        else:  # never a sparse body over 2 KB: dense, its size bounded by the span
+            assert data[1] == KIND_DENSE and len(data) <= HEADER_SIZE + 8 * (1441 + 46)
 
 
 class TestValidation:
@@ -164,8 +178,11 @@ class TestRoundTrip:
         data = encode(buckets, bucket_ms)
         assert decode(data) == DecodedState(bucket_ms, buckets)
         assert decode(encode(buckets, bucket_ms, version=1)) == DecodedState(bucket_ms, buckets)
-        # Never bigger than the sparse form.
-        assert len(data) <= HEADER_SIZE + 12 * len(buckets)
+        # Never bigger than the sparse form, unless that is over 2 KB (then dense).
+        if 12 * len(buckets) <= SPARSE_MAX_BYTES:
+            assert len(data) <= HEADER_SIZE + 12 * len(buckets)
+        else:
+            assert data[1] == KIND_DENSE
 
     @given(st.integers(1, 1440), st.integers(0, 2**32))
     def test_never_over_a_dense_full_day(self, count: int, seed: int) -> None:
@@ -173,5 +190,5 @@ class TestRoundTrip:
         slots = rng.sample(range(1440), count)
         buckets = {NOW + slot * MINUTE: rng.randint(1, 2**40) for slot in slots}
         data = encode(buckets, MINUTE)
-        assert len(data) <= HEADER_SIZE + 8 * 1440
+        assert len(data) <= HEADER_SIZE + 8 * (1440 + 45)
         assert decode(data).buckets == buckets
