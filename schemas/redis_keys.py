@@ -39,7 +39,8 @@ def pending_window_key(prefix: str, key: str) -> str:
 
 def pending_total_key(prefix: str, key: str) -> str:
     """Hash of the version-2 pending window: the bucket fields of
-    :func:`pending_window_key` plus ``window_codec.PENDING_TOTAL_FIELD``, their sum. The
+    :func:`pending_window_key` plus ``window_codec.PENDING_TOTAL_FIELD``, their sum, and
+    each reservation's pending entry under ``redis_values.PENDING_ENTRY_PREFIX`` + its id. The
     admit script reads the sum, the boundary bucket and the newest bucket, never the
     whole hash, and ages buckets out in the order :func:`pending_queue_key` holds; the
     processor's absorb subtracts from a field and the sum together (and deletes both keys
@@ -60,10 +61,11 @@ def pending_reservations_key(prefix: str, key: str) -> str:
     """Hash of where each pending reservation sits in the pending window, so the
     processor can absorb it: field = reservation id, value = ``"field:amount"`` (the
     pending-window field and the amount added there). Written by the admit script, read
-    and deleted one field at a time by the processor's absorb; never read in bulk. A
-    reservation held in the version-2 pending window (:func:`pending_total_key`) is under
-    ``"2:" + id`` (``redis_values.PENDING_V2_PREFIX``), which a previous release's absorb
-    never finds (it leaves the amount to age out rather than miscount it)."""
+    and deleted one field at a time by the processor's absorb; never read in bulk. Only
+    for the version-1 pending window: a reservation held in the version-2 one has its entry
+    in that hash (:func:`pending_total_key`, ``redis_values.PENDING_ENTRY_PREFIX``), where
+    a previous release's absorb never looks (it leaves the amount to age out rather than
+    miscount it)."""
     return f"{prefix}pr:{key}"
 
 

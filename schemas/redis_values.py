@@ -7,10 +7,10 @@ The window value itself is :mod:`spendgate.schemas.window_codec` (twin: ``window
 * **Pending entry**: where one reservation (or extend) sits in a budget key's pending
   window: ``"<field>:<amount>"``, the pending-window field (the last millisecond of the
   bucket it was admitted in, :func:`~spendgate.schemas.window_codec.pending_field`) and the
-  amount it added there. Written by ADMIT and EXTEND, read by the worker's ABSORB. Its
-  field in the pending reservations hash is the reservation (or extend event) id, prefixed
-  with ``PENDING_V2_PREFIX`` when the amount sits in the version-2 pending window
-  (``redis_keys.pending_total_key``).
+  amount it added there. Written by ADMIT and EXTEND, read by the worker's ABSORB. It sits
+  under the reservation (or extend event) id in the pending reservations hash for the
+  version-1 pending window, and under ``PENDING_ENTRY_PREFIX`` + id in the version-2
+  pending window's own hash (``redis_keys.pending_total_key``).
 * **Stored answer**: the reply of an admit or extend that reserved, kept under the request
   id so a repeat returns it verbatim: the values joined by ``,`` (numbers as exact
   integers). Written by ADMIT and EXTEND, read back by the same scripts.
@@ -28,7 +28,7 @@ from typing import Literal
 from spendgate.schemas.luascript import as_text
 
 __all__ = [
-    "PENDING_V2_PREFIX",
+    "PENDING_ENTRY_PREFIX",
     "RECORD_FIELDS",
     "SUBJECT_FIELD",
     "PendingEntry",
@@ -38,9 +38,9 @@ __all__ = [
     "encode_answer",
 ]
 
-#: Prefix of a pending entry's field (before the reservation id) whose amount sits in the
-#: version-2 pending window.
-PENDING_V2_PREFIX = "2:"
+#: Prefix of a pending entry's field (before the reservation id) in the version-2 pending
+#: window's hash.
+PENDING_ENTRY_PREFIX = "r:"
 
 #: The reservation record's field holding the subject (JSON).
 SUBJECT_FIELD = "subject"

@@ -11,7 +11,8 @@ All integers are little-endian. Layout, version 2 (what ``encode`` writes)::
     6      8     i64   base_ms: start of the oldest non-empty bucket (0 when empty)
     14     4     u32   n: number of entries that follow
     18     8     i64   neg_ms: start of the newest bucket with a negative amount, -1: none
-    26     ...         body
+    26     8     i64   sum: the sum of every amount (the last prefix)
+    34     ...         body
 
     dense body: n slots of 8 bytes; slot i covers the bucket at base_ms + i * bucket_ms
       +0   8     i64   prefix: the sum of the amounts of every bucket up to and including
@@ -37,8 +38,8 @@ the 18-byte header without ``neg_ms`` and each bucket's own amount instead of th
 than ``12 * n`` bytes, with ``span`` the buckets from the oldest to the newest non-empty
 one), except that a sparse body is never longer than ``SPARSE_MAX_BYTES``: admission reads
 a sparse value whole and a dense one in place, so every value costs it the same. The empty state is
-the 26-byte header with ``n = 0``. Sizes: a dense 24 h window of 1 min buckets (1440
-non-empty buckets) is 11,906 bytes; 60 sparse buckets are 746 bytes.
+the 34-byte header with ``n = 0``. Sizes: a dense 24 h window of 1 min buckets (1440
+non-empty buckets) is 11,914 bytes; 60 sparse buckets are 754 bytes.
 
 Lua numbers are doubles, exact to 2**53, so ``encode`` refuses a state whose absolute
 amounts sum to more than ``MAX_SAFE_AMOUNT``: every prefix and every partial sum the Lua
@@ -55,7 +56,8 @@ whose ``bucket`` changed needs no rewrite. Two layouts (``redis_keys``):
   script; written while the key's absorbed window is a version-1 value (its worker is of
   the previous release, whose absorb knows only this one);
 * version 2, ``pending_total_key``: the same fields plus ``PENDING_TOTAL_FIELD``, the sum
-  of them all, with the fields in bucket order in a list (``pending_queue_key``), so the
+  of them all, and each reservation's pending entry (``redis_values``), with the bucket
+  fields in bucket order in a list (``pending_queue_key``), so the
   admit script reads the total, the boundary bucket and the newest bucket and ages old
   buckets out from the list's head, amortized O(1) whatever the window. Written while the
   absorbed window is a version-2 value.
@@ -105,10 +107,9 @@ SPARSE_MAX_BYTES = 2048
 SUMMARY_GROUP = 32
 #: The field of a version-2 pending window that holds the sum of its bucket fields.
 PENDING_TOTAL_FIELD = "t"
-_TOTAL_BYTES = PENDING_TOTAL_FIELD.encode()
 
 _HEADER_V1 = struct.Struct("<BBIqI")
-_HEADER = struct.Struct("<BBIqIq")
+_HEADER = struct.Struct("<BBIqIqq")
 _PAIR = struct.Struct("<Iq")
 _U32_MAX = 2**32 - 1
 _I64_MAX = 2**63 - 1
@@ -149,7 +150,7 @@ def encode(buckets: Mapping[int, int], bucket_ms: int, version: int = FORMAT_VER
         raise ValueError(f"bucket_ms: {bucket_ms} must be between 1 and {_U32_MAX}")
     items = sorted((start, amount) for start, amount in buckets.items() if amount)
     if not items:
-        return _header(version, KIND_SPARSE, bucket_ms, 0, 0, -1)
+        return _header(version, KIND_SPARSE, bucket_ms, 0, 0, -1, 0)
     magnitude = 0
     for start, amount in items:
         if start < 0 or start % bucket_ms:
@@ -167,6 +168,7 @@ def encode(buckets: Mapping[int, int], bucket_ms: int, version: int = FORMAT_VER
     if last > _U32_MAX or base > _I64_MAX:
         raise ValueError(f"buckets span {last + 1} buckets from {base}: too wide to encode")
     negative = [start for start, amount in items if amount < 0]
+    total = sum(amount for _, amount in items)
     neg_ms = negative[-1] if negative else -1
     values = [amount for _, amount in items]
     if version == 2:
@@ -181,13 +183,13 @@ def encode(buckets: Mapping[int, int], bucket_ms: int, version: int = FORMAT_VER
         if version == 2:
             slots = list(accumulate(slots))  # an empty bucket's prefix is the one before
             slots += _summary(slots)
-        header = _header(version, KIND_DENSE, bucket_ms, base, span, neg_ms)
+        header = _header(version, KIND_DENSE, bucket_ms, base, span, neg_ms, total)
         return header + struct.pack(f"<{len(slots)}q", *slots)
     body = b"".join(
         _PAIR.pack((start - base) // bucket_ms, value)
         for (start, _), value in zip(items, values, strict=True)
     )
-    return _header(version, KIND_SPARSE, bucket_ms, base, len(items), neg_ms) + body
+    return _header(version, KIND_SPARSE, bucket_ms, base, len(items), neg_ms, total) + body
 
 
 def _summary(prefixes: list[int]) -> list[int]:
@@ -196,10 +198,12 @@ def _summary(prefixes: list[int]) -> list[int]:
     return [prefixes[min(k + SUMMARY_GROUP - 1, n - 1)] for k in range(0, n, SUMMARY_GROUP)]
 
 
-def _header(version: int, kind: int, bucket_ms: int, base: int, n: int, neg_ms: int) -> bytes:
+def _header(
+    version: int, kind: int, bucket_ms: int, base: int, n: int, neg_ms: int, total: int
+) -> bytes:
     if version == 1:
         return _HEADER_V1.pack(1, kind, bucket_ms, base, n)
-    return _HEADER.pack(2, kind, bucket_ms, base, n, neg_ms)
+    return _HEADER.pack(2, kind, bucket_ms, base, n, neg_ms, total)
 
 
 def version_of(data: bytes) -> int:
@@ -267,6 +271,8 @@ def decode(data: bytes) -> DecodedState:
         negative = [start for start, amount in buckets.items() if amount < 0]
         if fields[5] != (max(negative) if negative else -1):
             raise ValueError(f"window state: neg_ms {fields[5]} is not the newest negative bucket")
+        if fields[6] != sum(buckets.values()):
+            raise ValueError(f"window state: sum {fields[6]} is not the sum of the buckets")
     return DecodedState(bucket_ms, buckets)
 
 
@@ -290,7 +296,7 @@ def decode_pending(
 
     Args:
         fields: the hash (``HGETALL``): a bucket's last millisecond -> amount (and, in a
-            version-2 hash, ``PENDING_TOTAL_FIELD``, skipped: it sums the others).
+            version-2 hash, ``PENDING_TOTAL_FIELD`` and the reservations' entries, skipped).
         bucket_ms: the width to read it in; a field written in another width lands in
             the bucket holding its last millisecond.
 
@@ -299,7 +305,7 @@ def decode_pending(
     """
     buckets: dict[int, int] = {}
     for field, value in fields.items():
-        if field in (PENDING_TOTAL_FIELD, _TOTAL_BYTES):
+        if not field.isdigit():  # the version-2 sum and reservation entries
             continue
         last = int(field)
         start = last - last % bucket_ms
@@ -335,7 +341,7 @@ def pending_fields(*hashes: Mapping[bytes | str, bytes | str | int]) -> dict[str
     for fields in hashes:
         for field, value in fields.items():
             name = field.decode() if isinstance(field, bytes) else field
-            if name != PENDING_TOTAL_FIELD:
+            if name.isdigit():  # bucket fields: not the sum, nor the entries
                 out[name] = out.get(name, 0) + int(value)
     return out
 

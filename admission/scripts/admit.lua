@@ -45,10 +45,11 @@
 --   per target:
 --   window        the absorbed window (string, schemas/window_codec.py), by the worker
 --   pending       the version-1 pending window (hash: a bucket's last ms -> amount)
---   pending v2    the version-2 pending window (hash: the same, plus their sum 't')
+--   pending v2    the version-2 pending window (hash: the same, plus their sum 't' and
+--                 each reservation's pending entry under 'r:' + id)
 --   queue         the version-2 pending window's bucket fields, oldest first (list)
---   reservations  the pending reservations (hash: reservation id, "2:" + id for version
---                 2 -> pending entry)
+--   reservations  the version-1 pending reservations (hash: reservation id -> pending
+--                 entry)
 --   bucket        only for a target with a burst: its token bucket ("level:at_ms",
 --                 schemas/burst.py; missing = full)
 -- ARGV (9 + m header entries, then per plan 2 + 15 per target)

@@ -26,14 +26,15 @@
 --     lives window + bucket past the last write.
 --
 -- The version-2 pending window: x.pvkey holds each bucket's amount under the bucket's last
--- millisecond and their sum under 't' (window_codec.PENDING_TOTAL_FIELD); x.pqkey lists
+-- millisecond, their sum under 't' (window_codec.PENDING_TOTAL_FIELD) and each reservation's
+-- pending entry under 'r:' + its id (redis_values.PENDING_ENTRY_PREFIX); x.pqkey lists
 -- the bucket fields oldest first, each once. A field whose amount was absorbed away is
 -- deleted from the hash and skipped in the list. Only the list's ends are read: buckets
 -- that left the window leave from its head (their amounts from the sum), the newest
 -- bucket is at its tail.
 
 local PENDING_TOTAL = 't'
-local PENDING_V2 = '2:'
+local PENDING_ENTRY = 'r:'  -- a reservation's entry in the version-2 hash: 'r:' .. id
 
 local function marks_states(marks_key, names, now, staleness_ms)
   local states = {}
@@ -271,6 +272,10 @@ local function key_retry_after(x, now)
       end
       return 0
     end
+    local room = x.limit - x.amount
+    if v.kind == 1 then
+      return window_dense_retry(v, now, w, b, x.boundary, room, pending_from, pending_at), false
+    end
     local function full_of(period)
       return window_prefix(v, period) - window_prefix(v, period - w)
         + pending_from(period - w + b)
@@ -278,17 +283,7 @@ local function key_retry_after(x, now)
     local function edge_of(period)
       return window_amount(v, period - w) + pending_at(period - w)
     end
-    local coarse = nil
-    if not v.raw and v.n > 0 then
-      -- Read in ranges: search the summary's slots first, then one group of slots.
-      window_summary(v)
-      local first = window_mod(WINDOW_GROUP - 1 - window_index(v, head - w), WINDOW_GROUP)
-      coarse = {first = first, stride = WINDOW_GROUP, narrow = function(lo, hi)
-        window_fetch(v, window_index(v, lo - w) - 1, window_index(v, hi - w))
-      end}
-    end
-    return window_search_retry(full_of, edge_of, now, w, b, x.boundary, x.limit - x.amount,
-                               coarse), false
+    return window_search_retry(full_of, edge_of, now, w, b, x.boundary, room), false
   end
   key_arrays(x, now)
   return window_retry_after(x.starts, x.amounts, x.count, now, w, b, x.boundary, x.limit, 0,
@@ -300,7 +295,8 @@ local function pending_requeue(x)
   local fields = {}
   local all = redis.call('HGETALL', x.pvkey)
   for i = 1, #all, 2 do
-    if all[i] ~= PENDING_TOTAL then fields[#fields + 1] = tonumber(all[i]) end
+    local f = tonumber(all[i])  -- bucket fields only, not the sum nor the entries
+    if f then fields[#fields + 1] = f end
   end
   table.sort(fields)
   redis.call('DEL', x.pqkey)
@@ -364,18 +360,17 @@ local function key_hold(x, entry, amount, now)
       if not known then redis.call('LINSERT', x.pqkey, 'BEFORE', before, field) end
     end
     local total_text = string.format('%d', total + amount)
+    local entry_text = pending_entry_encode(field, amount)
     if held then
       redis.call('HSET', x.pvkey, field, string.format('%d', held + amount), PENDING_TOTAL,
-                 total_text)
+                 total_text, PENDING_ENTRY .. entry, entry_text)
     else
       redis.call('HINCRBY', x.pvkey, field, string.format('%d', amount))
-      redis.call('HSET', x.pvkey, PENDING_TOTAL, total_text)
+      redis.call('HSET', x.pvkey, PENDING_TOTAL, total_text, PENDING_ENTRY .. entry, entry_text)
     end
-    redis.call('HSET', x.prkey, PENDING_V2 .. entry, pending_entry_encode(field, amount))
     if pushed then
       redis.call('PEXPIRE', x.pvkey, span)
       redis.call('PEXPIRE', x.pqkey, span)
-      redis.call('PEXPIRE', x.prkey, span)
     end
   else
     redis.call('HINCRBY', x.pwkey, field, string.format('%d', amount))

@@ -17,16 +17,17 @@
 -- bucket's age; either way nothing of it counts in the pending window any more. Absorbing
 -- is idempotent, so a stale writer's ids are absorbed too (the newer window holds them).
 --
--- A reservation held in the version-2 pending window (its entry under "2:" + id) leaves
--- its bucket's field and the window's sum together; when the sum reaches 0 nothing is
--- pending and the hash and its queue go (the admit script starts them again).
+-- A reservation held in the version-2 pending window (its entry in that hash, under
+-- "r:" + id) leaves its bucket's field and the window's sum together; when the sum reaches
+-- 0 nothing is pending and the hash and its queue go (the admit script starts them again).
 --
 -- KEYS (7 per budget key)
 --   window                the window (string, schemas/window_codec.py layout)
 --   pending window        version 1: hash: a bucket's last ms -> amount pending there
---   pending v2            version 2: the same fields, plus their sum 't'
+--   pending v2            version 2: the same fields, plus their sum 't' and each
+--                         reservation's pending entry under "r:" + id
 --   queue                 the version-2 window's bucket fields, oldest first (list)
---   pending reservations  hash: reservation id (or "2:" + id) -> its pending entry
+--   pending reservations  version 1: hash: reservation id -> its pending entry
 --                         "<field>:<amount>" (schemas/redis_values.py)
 --   version               the window's version (string)
 --   utilization           the utilization index (sorted set: window key -> total / limit,
@@ -60,14 +61,14 @@ for k = 1, #KEYS, 7 do
     if score ~= '' then redis.call('ZADD', KEYS[k + 6], score, wkey) end
   end
   for i = a + 5, a + 4 + n do
-    local v2name = '2:' .. ARGV[i]
-    local found = redis.call('HMGET', prkey, ARGV[i], v2name)
+    local v2name = 'r:' .. ARGV[i]
+    local found = {redis.call('HGET', prkey, ARGV[i]), redis.call('HGET', pvkey, v2name)}
     for version_index = 1, 2 do
       local record = found[version_index]
       if record then
-        local name, hash = ARGV[i], pwkey
-        if version_index == 2 then name, hash = v2name, pvkey end
-        redis.call('HDEL', prkey, name)
+        local name, hash, entries = ARGV[i], pwkey, prkey
+        if version_index == 2 then name, hash, entries = v2name, pvkey, pvkey end
+        redis.call('HDEL', entries, name)
         local field, amount = pending_entry_decode(record)
         -- As text, exact (tostring writes a number of 15+ digits with an exponent).
         field = string.format('%d', field)

@@ -37,8 +37,9 @@ class AbsorbKey:
             amount).
         pending_total_key: the version-2 pending window (the same, plus their sum).
         pending_queue_key: the version-2 pending window's bucket fields (list).
-        pending_reservations_key: the pending reservations (hash: reservation id, or
-            ``"2:"`` + id, -> :class:`~spendgate.schemas.redis_values.PendingEntry`).
+        pending_reservations_key: the version-1 pending reservations (hash: reservation
+            id -> :class:`~spendgate.schemas.redis_values.PendingEntry`; version 2 keeps
+            them in its own hash, under ``"r:"`` + id).
         version_key: the window's version.
         utilization_key: the utilization index (``redis_keys.utilization_key``).
         window: the encoded window to store, or None to leave it as it is.

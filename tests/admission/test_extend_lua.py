@@ -83,13 +83,17 @@ class TestExtendScript:
         assert (pending(lua_server, "a"), pending(lua_server, "b")) == (30, 40)
         field = now - now % BUCKET + BUCKET - 1
         # Key a's window is a version-2 value: its worker absorbs version 2, so the extend
-        # is held there, under "2:" + the entry's name; key b has no window yet: version 1.
-        entries_a = lua_server.client.hgetall(pending_reservations_key(lua_server.prefix, "a"))
-        entries_b = lua_server.client.hgetall(pending_reservations_key(lua_server.prefix, "b"))
-        assert entries_a == {b"2:extend-1-r1": f"{field}:30".encode()}
-        assert entries_b == {b"extend-1-r1": f"{field}:40".encode()}
+        # is held there, its entry in that hash under "r:" + the entry's name; key b has no
+        # window yet: version 1, its entry in the pending reservations.
         p = lua_server.prefix
-        assert lua_server.client.hgetall(f"{p}pv:a") == {str(field).encode(): b"30", b"t": b"30"}
+        assert not lua_server.client.exists(pending_reservations_key(p, "a"))
+        entries_b = lua_server.client.hgetall(pending_reservations_key(p, "b"))
+        assert entries_b == {b"extend-1-r1": f"{field}:40".encode()}
+        assert lua_server.client.hgetall(f"{p}pv:a") == {
+            str(field).encode(): b"30",
+            b"t": b"30",
+            b"r:extend-1-r1": f"{field}:30".encode(),
+        }
         assert lua_server.client.lrange(f"{p}pq:a", 0, -1) == [str(field).encode()]
         assert lua_server.client.hgetall(f"{p}pw:b") == {str(field).encode(): b"40"}
         assert not lua_server.client.exists(f"{p}pw:a", f"{p}pv:b")

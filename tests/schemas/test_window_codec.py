@@ -30,14 +30,14 @@ NOW = 1_700_000_040_000  # a whole minute
 class TestLayout:
     def test_empty_is_a_bare_header(self) -> None:
         data = encode({}, MINUTE)
-        assert data == struct.pack("<BBIqIq", 2, KIND_SPARSE, MINUTE, 0, 0, -1)
-        assert len(data) == HEADER_SIZE == 26
+        assert data == struct.pack("<BBIqIqq", 2, KIND_SPARSE, MINUTE, 0, 0, -1, 0)
+        assert len(data) == HEADER_SIZE == 34
         assert decode(data) == DecodedState(MINUTE, {})
 
     def test_sparse_bytes_hold_prefix_sums_and_the_newest_negative_bucket(self) -> None:
         data = encode({NOW: 5, NOW + 10 * MINUTE: -2, NOW + 12 * MINUTE: 4}, MINUTE)
         assert data == (
-            struct.pack("<BBIqIq", 2, KIND_SPARSE, MINUTE, NOW, 3, NOW + 10 * MINUTE)
+            struct.pack("<BBIqIqq", 2, KIND_SPARSE, MINUTE, NOW, 3, NOW + 10 * MINUTE, 7)
             + struct.pack("<Iq", 0, 5)
             + struct.pack("<Iq", 10, 3)
             + struct.pack("<Iq", 12, 7)
@@ -46,7 +46,9 @@ class TestLayout:
     def test_dense_bytes_hold_prefix_sums_an_empty_slot_repeats_the_one_before(self) -> None:
         data = encode({NOW + i * MINUTE: 1 for i in (0, 1, 2, 4)}, MINUTE)
         # 5 slots (the empty 4th repeats the 3rd's prefix), then the summary: 1 entry.
-        assert data == struct.pack("<BBIqIq6q", 2, KIND_DENSE, MINUTE, NOW, 5, -1, 1, 2, 3, 3, 4, 4)
+        assert data == struct.pack(
+            "<BBIqIqq6q", 2, KIND_DENSE, MINUTE, NOW, 5, -1, 4, 1, 2, 3, 3, 4, 4
+        )
 
     def test_the_dense_summary_holds_every_32nd_prefix_and_the_last(self) -> None:
         data = encode({NOW + i * MINUTE: 2 for i in range(70)}, MINUTE)
@@ -83,14 +85,14 @@ class TestSize:
         buckets = {NOW + i * MINUTE: 1_000_000 + i for i in range(1440)}
         data = encode(buckets, MINUTE)
         assert data[1] == KIND_DENSE
-        assert len(data) == 11_906 <= 16 * 1024  # 1440 slots, 45 summary entries
+        assert len(data) == 11_914 <= 16 * 1024  # 1440 slots, 45 summary entries
         assert decode(data).buckets == buckets
 
     def test_sparse_sixty_buckets_across_a_day(self) -> None:
         buckets = {NOW + i * 24 * MINUTE: 123_456_789 for i in range(60)}
         data = encode(buckets, MINUTE)
         assert data[1] == KIND_SPARSE
-        assert len(data) == 746 <= 2 * 1024
+        assert len(data) == 754 <= 2 * 1024
         assert decode(data).buckets == buckets
 
     @pytest.mark.parametrize("count", [1, 2, 10, 60, 500, 1441])
@@ -139,9 +141,9 @@ class TestValidation:
             (b"", "unknown format version 0"),
             (b"\x02", "shorter than the header"),
             (struct.pack("<BBIqI", 3, 0, MINUTE, 0, 0), "unknown format version 3"),
-            (struct.pack("<BBIqI", 2, 0, MINUTE, 0, 0), "shorter than the header"),
+            (struct.pack("<BBIqIq", 2, 0, MINUTE, 0, 0, -1), "shorter than the header"),
             (struct.pack("<BBIqI", 1, 7, MINUTE, 0, 0), "unknown kind 7"),
-            (struct.pack("<BBIqIq", 2, 7, MINUTE, 0, 0, -1), "unknown kind 7"),
+            (struct.pack("<BBIqIqq", 2, 7, MINUTE, 0, 0, -1, 0), "unknown kind 7"),
             (struct.pack("<BBIqI", 1, 0, 0, 0, 0), "bucket_ms is 0"),
             (struct.pack("<BBIqI", 1, 0, MINUTE, 0, 1), "sparse body of 0 bytes"),
             (struct.pack("<BBIqI", 1, 1, MINUTE, 0, 2) + b"\0" * 8, "dense body of 8 bytes"),
@@ -152,9 +154,10 @@ class TestValidation:
             ),
             (struct.pack("<BBIqIIq", 1, 0, MINUTE, 0, 1, 3, 0), "amount is zero"),
             # Version 2: a repeated prefix is a zero amount; neg_ms must be the newest one.
-            (struct.pack("<BBIqIqIqIq", 2, 0, MINUTE, 0, 2, -1, 0, 4, 1, 4), "amount is zero"),
-            (struct.pack("<BBIqIqIqIq", 2, 0, MINUTE, 0, 2, -1, 0, 4, 1, 3), "neg_ms -1"),
-            (struct.pack("<BBIqIqIq", 2, 0, MINUTE, 0, 1, 0, 0, 4), "neg_ms 0"),
+            (struct.pack("<BBIqIqqIqIq", 2, 0, MINUTE, 0, 2, -1, 4, 0, 4, 1, 4), "amount is zero"),
+            (struct.pack("<BBIqIqqIqIq", 2, 0, MINUTE, 0, 2, -1, 3, 0, 4, 1, 3), "neg_ms -1"),
+            (struct.pack("<BBIqIqqIq", 2, 0, MINUTE, 0, 1, 0, 4, 0, 4), "neg_ms 0"),
+            (struct.pack("<BBIqIqqIq", 2, 0, MINUTE, 0, 1, -1, 5, 0, 4), "sum 5"),
         ],
     )
     def test_decode_rejects_corrupt_values(self, data: bytes, message: str) -> None:

@@ -325,27 +325,37 @@ class TestAbsorbScript:
 
 
 class TestAbsorbVersion2:
-    def test_an_entry_under_2_leaves_its_field_and_the_sum_and_the_last_one_clears_both(
+    def test_an_entry_in_the_hash_leaves_its_field_and_the_sum_the_last_clears_all(
         self, redis_sync: redis.Redis, key_prefix: str
     ) -> None:
         script = redis_sync.register_script(absorb.SCRIPT.source)
         part = _absorb_key(key_prefix, window=None, window_ms=MINUTE, reservation_ids=("r-1",))
         pv, pq, pr = part.pending_total_key, part.pending_queue_key, part.pending_reservations_key
-        redis_sync.hset(pv, mapping={"59999": 100, "119999": 50, "t": 150})
-        redis_sync.rpush(pq, "59999", "119999")
+        entries = {
+            "r:r-2": PendingEntry(59_999, 40).encode(),
+            "r:r-3": PendingEntry(119_999, 50).encode(),
+        }
         redis_sync.hset(
-            pr,
+            pv,
             mapping={
-                "2:r-1": PendingEntry(59_999, 60).encode(),
-                "2:r-2": PendingEntry(59_999, 40).encode(),
-                "2:r-3": PendingEntry(119_999, 50).encode(),
-                "r-1": PendingEntry(999, 5).encode(),  # the same id held in version 1 too
+                "59999": 100,
+                "119999": 50,
+                "t": 150,
+                "r:r-1": PendingEntry(59_999, 60).encode(),
+                **entries,
             },
         )
+        redis_sync.rpush(pq, "59999", "119999")
+        redis_sync.hset(pr, "r-1", PendingEntry(999, 5).encode())  # the same id in version 1
         redis_sync.hset(part.pending_window_key, "999", 5)
         args = AbsorbArgs([part])
         assert AbsorbReply.decode(script(keys=args.keys(), args=args.argv())).moved == 65
-        assert redis_sync.hgetall(pv) == {b"59999": b"40", b"119999": b"50", b"t": b"90"}
+        assert redis_sync.hgetall(pv) == {
+            b"59999": b"40",
+            b"119999": b"50",
+            b"t": b"90",
+            **{k.encode(): v.encode() for k, v in entries.items()},
+        }
         assert not redis_sync.exists(part.pending_window_key)
         assert held.pending_v2_consistent(redis_sync, key_prefix, KEY)
         rest = _absorb_key(
@@ -361,9 +371,10 @@ class TestAbsorbVersion2:
         script = redis_sync.register_script(absorb.SCRIPT.source)
         part = _absorb_key(key_prefix, window=None, window_ms=MINUTE, reservation_ids=("r-1",))
         pv, pr = part.pending_total_key, part.pending_reservations_key
-        redis_sync.hset(pv, mapping={"119999": 50, "t": 50})
+        redis_sync.hset(
+            pv, mapping={"119999": 50, "t": 50, "r:r-1": PendingEntry(59_999, 60).encode()}
+        )
         redis_sync.rpush(part.pending_queue_key, "119999")
-        redis_sync.hset(pr, "2:r-1", PendingEntry(59_999, 60).encode())
         args = AbsorbArgs([part])
         assert AbsorbReply.decode(script(keys=args.keys(), args=args.argv())).moved == 0
         assert redis_sync.hgetall(pv) == {b"119999": b"50", b"t": b"50"}
