@@ -208,6 +208,16 @@ class TestBenchSmoke:
             assert int(row["admitted"].replace(",", "")) > 0, row
         assert "units over the limit, worst trial = 0 (target 0: MET)" in out
 
+    def test_key_steps_profile(self, services: Services) -> None:
+        out = _run("bench.key_steps_profile", services)
+        rows = [line for line in out.splitlines() if line.startswith("| 1h |")]
+        rows += [line for line in out.splitlines() if line.startswith(("| 24h |", "| 31d |"))]
+        assert len(rows) == 6, out  # 3 windows, without and with reservations pending
+        assert "redis.call us" in out
+        for row in rows:
+            cells = [cell.strip() for cell in row.strip("|").split("|")]
+            assert all(float(v) >= 0 for v in cells[2:]), row
+
     def test_memory(self, services: Services) -> None:
         out = _run("bench.memory", services)
         assert "Redis MEMORY USAGE B" in out
