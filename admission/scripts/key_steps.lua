@@ -26,14 +26,16 @@
 --     lives window + bucket past the last write.
 --
 -- The version-2 pending window: x.pvkey holds each bucket's amount under the bucket's last
--- millisecond, their sum under 't' (window_codec.PENDING_TOTAL_FIELD) and each reservation's
--- pending entry under 'r:' + its id (redis_values.PENDING_ENTRY_PREFIX); x.pqkey lists
+-- millisecond, their sum under 't' (window_codec.PENDING_TOTAL_FIELD), each reservation's
+-- pending entry under 'r:' + its id (redis_values.PENDING_ENTRY_PREFIX) and the queue's first
+-- and last field under 'h' and 'n'; x.pqkey lists
 -- the bucket fields oldest first, each once. A field whose amount was absorbed away is
 -- deleted from the hash and skipped in the list. Only the list's ends are read: buckets
 -- that left the window leave from its head (their amounts from the sum), the newest
 -- bucket is at its tail.
 
 local PENDING_TOTAL = 't'
+local PENDING_HEAD, PENDING_NEWEST = 'h', 'n'  -- the queue's first and last field, in the hash
 local PENDING_ENTRY = 'r:'  -- a reservation's entry in the version-2 hash: 'r:' .. id
 
 local function marks_states(marks_key, names, now, staleness_ms)
@@ -74,6 +76,23 @@ local function pending_read(x, now, v2)
   local head = now - window_mod(now, b)
   local live = now + 1 - window_mod(now + 1, b) - x.window
   local oldest_full = head - x.window + b
+  -- Usually one HMGET: the sum, the queue's ends and the bucket of now. Nothing has left
+  -- the window or reached its boundary since the oldest bucket queued, nothing is after
+  -- head, and the newest bucket queued is still pending: then that is all there is to read.
+  local cur = window_pending_field(now, b)
+  local got = redis.call('HMGET', x.pvkey, PENDING_TOTAL, PENDING_HEAD, PENDING_NEWEST, cur)
+  local sum, first, last = tonumber(got[1]), tonumber(got[2]), tonumber(got[3])
+  if sum and first and last and first - window_mod(first, b) >= oldest_full
+      and last - window_mod(last, b) <= head then
+    local amount = tonumber(got[4])
+    if got[3] ~= cur then amount = tonumber(redis.call('HGET', x.pvkey, got[3])) end
+    if amount then
+      q.total, q.full = sum, sum
+      q.newest, q.newest_amount = last - window_mod(last, b), amount
+      q.tail, q.tail_amounts, q.fast = {got[3]}, {amount}, true
+      return q
+    end
+  end
   local chunk = redis.call('LRANGE', x.pqkey, 0, 7)
   if #chunk == 0 then
     local total = tonumber(redis.call('HGET', x.pvkey, PENDING_TOTAL) or '0')
@@ -87,7 +106,9 @@ local function pending_read(x, now, v2)
     while j <= #chunk do
       local f = tonumber(chunk[j])
       if f - window_mod(f, b) < live then
-        q.stale[#q.stale + 1] = chunk[j]
+        -- Each field once (an entry out of order may repeat one), every entry popped.
+        q.pop = (q.pop or 0) + 1
+        if q.stale[#q.stale] ~= chunk[j] then q.stale[#q.stale + 1] = chunk[j] end
       elseif f < oldest_full then
         edge_fields[#edge_fields + 1] = chunk[j]
       else
@@ -305,6 +326,10 @@ local function pending_requeue(x)
     for j = i, math.min(i + 999, #fields) do part[#part + 1] = string.format('%d', fields[j]) end
     redis.call('RPUSH', x.pqkey, unpack(part))
   end
+  if #fields > 0 then
+    redis.call('HSET', x.pvkey, PENDING_HEAD, string.format('%d', fields[1]), PENDING_NEWEST,
+               string.format('%d', fields[#fields]))
+  end
   local ttl = redis.call('PTTL', x.pvkey)
   if ttl > 0 then redis.call('PEXPIRE', x.pqkey, ttl) end
   x.q.tail, x.q.tail_amounts = {}, nil
@@ -319,7 +344,7 @@ local function key_hold(x, entry, amount, now)
   if q.repair then pending_requeue(x) end
   local total = q.total
   if #q.stale > 0 then
-    redis.call('LPOP', x.pqkey, #q.stale)
+    redis.call('LPOP', x.pqkey, q.pop)
     total = total - q.stale_sum
     if total == 0 then
       redis.call('DEL', x.pvkey, x.pqkey)
@@ -327,6 +352,12 @@ local function key_hold(x, entry, amount, now)
     else
       for i = 1, #q.stale, 1000 do
         redis.call('HDEL', x.pvkey, unpack(q.stale, i, math.min(i + 999, #q.stale)))
+      end
+      local first = redis.call('LINDEX', x.pqkey, 0)
+      if first then
+        redis.call('HSET', x.pvkey, PENDING_HEAD, first)
+      else
+        redis.call('HDEL', x.pvkey, PENDING_HEAD, PENDING_NEWEST)
       end
       if amount <= 0 or not x.hold_v2 then
         redis.call('HSET', x.pvkey, PENDING_TOTAL, string.format('%d', total))
@@ -343,8 +374,12 @@ local function key_hold(x, entry, amount, now)
     local newest = tail[#tail]
     local held = nil  -- what the bucket holds already, when read above
     local pushed = not newest or tonumber(newest) < tonumber(field)
+    local ends = {}  -- the queue's ends when this hold moves them
     if pushed then
-      redis.call('RPUSH', x.pqkey, field)
+      ends = {PENDING_NEWEST, field}
+      if redis.call('RPUSH', x.pqkey, field) == 1 then
+        ends = {PENDING_NEWEST, field, PENDING_HEAD, field}
+      end
       held = 0
     elseif newest == field then
       if q.tail_amounts then held = q.tail_amounts[#tail] or 0 end
@@ -352,21 +387,26 @@ local function key_hold(x, entry, amount, now)
       -- The clock went back a bucket or more: in order before the newer entries (only
       -- the last ones are looked at; an entry out of order counts until the one before it
       -- leaves, never less).
+      if q.fast then tail = redis.call('LRANGE', x.pqkey, -4, -1) end
       local before, known = nil, false
       for i = #tail, 1, -1 do
         if tail[i] == field then known = true end
         if tonumber(tail[i]) > tonumber(field) then before = tail[i] end
       end
-      if not known then redis.call('LINSERT', x.pqkey, 'BEFORE', before, field) end
+      if not known then
+        redis.call('LINSERT', x.pqkey, 'BEFORE', before, field)
+        ends = {PENDING_HEAD, redis.call('LINDEX', x.pqkey, 0)}
+      end
     end
     local total_text = string.format('%d', total + amount)
     local entry_text = pending_entry_encode(field, amount)
     if held then
       redis.call('HSET', x.pvkey, field, string.format('%d', held + amount), PENDING_TOTAL,
-                 total_text, PENDING_ENTRY .. entry, entry_text)
+                 total_text, PENDING_ENTRY .. entry, entry_text, unpack(ends))
     else
       redis.call('HINCRBY', x.pvkey, field, string.format('%d', amount))
-      redis.call('HSET', x.pvkey, PENDING_TOTAL, total_text, PENDING_ENTRY .. entry, entry_text)
+      redis.call('HSET', x.pvkey, PENDING_TOTAL, total_text, PENDING_ENTRY .. entry, entry_text,
+                 unpack(ends))
     end
     if pushed then
       redis.call('PEXPIRE', x.pvkey, span)

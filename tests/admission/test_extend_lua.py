@@ -93,6 +93,8 @@ class TestExtendScript:
             str(field).encode(): b"30",
             b"t": b"30",
             b"r:extend-1-r1": f"{field}:30".encode(),
+            b"h": str(field).encode(),
+            b"n": str(field).encode(),
         }
         assert lua_server.client.lrange(f"{p}pq:a", 0, -1) == [str(field).encode()]
         assert lua_server.client.hgetall(f"{p}pw:b") == {str(field).encode(): b"40"}

@@ -111,6 +111,9 @@ class KeyCase:
             pipe.hset(pv, mapping=mapping)  # type: ignore[attr-defined]
         if self.queue:
             pipe.rpush(pq, *[str(f) for f in self.queue])  # type: ignore[attr-defined]
+            if self.pending2:  # the queue's ends, kept in the hash
+                ends = {"h": self.queue[0], "n": self.queue[-1]}
+                pipe.hset(pv, mapping=ends)  # type: ignore[attr-defined]
 
     def argv(self) -> list[int | str]:
         s = self.spec
@@ -274,6 +277,8 @@ class TestReadMatchesPython:
             str(t - 2_250 + 999).encode(): b"7",
             b"t": b"15",
             b"r:r": f"{t - 250 + 999}:3".encode(),
+            b"h": str(t - 2_250 + 999).encode(),
+            b"n": str(t - 250 + 999).encode(),
         }
         assert client.lrange(names[3], 0, -1) == [
             str(t - 2_250 + 999).encode(),

@@ -341,6 +341,8 @@ class TestAbsorbVersion2:
                 "59999": 100,
                 "119999": 50,
                 "t": 150,
+                "h": 59999,
+                "n": 119999,
                 "r:r-1": PendingEntry(59_999, 60).encode(),
                 **entries,
             },
@@ -354,6 +356,8 @@ class TestAbsorbVersion2:
             b"59999": b"40",
             b"119999": b"50",
             b"t": b"90",
+            b"h": b"59999",
+            b"n": b"119999",
             **{k.encode(): v.encode() for k, v in entries.items()},
         }
         assert not redis_sync.exists(part.pending_window_key)
