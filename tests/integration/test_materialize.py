@@ -13,7 +13,9 @@ import redis.asyncio as aioredis
 
 from spendgate.schemas import window_codec
 from spendgate.schemas.redis_keys import (
+    pending_queue_key,
     pending_reservations_key,
+    pending_total_key,
     pending_window_key,
     utilization_key,
     window_key,
@@ -36,15 +38,20 @@ def _held(client: redis.Redis, prefix: str, key: str) -> tuple[int, int]:
     """Window sum and pending sum of ``key``, read in one transaction."""
     with client.pipeline(transaction=True) as pipe:
         pipe.get(window_key(prefix, key))
-        pipe.hvals(pending_window_key(prefix, key))
-        raw, pending = pipe.execute()
+        pipe.hgetall(pending_window_key(prefix, key))
+        pipe.hgetall(pending_total_key(prefix, key))
+        raw, v1, v2 = pipe.execute()
     used = sum(window_codec.decode(raw).buckets.values()) if raw else 0
-    return used, sum(int(v) for v in pending)
+    # Bucket fields only: the version-2 hash also holds its sum and reservations' entries.
+    return used, sum(int(v) for f, v in (*v1.items(), *v2.items()) if f.isdigit())
 
 
 #: Commands that only read; any other command on a window or pending key writes it.
 _READS = {b"GET", b"MGET", b"HGET", b"HMGET", b"HGETALL", b"HVALS", b"HLEN", b"EXISTS"}
 _READS |= {b"PTTL", b"TTL", b"TYPE", b"STRLEN", b"HKEYS", b"HEXISTS", b"SCAN"}
+_READS |= {b"GETRANGE", b"LRANGE", b"LINDEX", b"LLEN"}
+#: The version-2 pending window's queue: bookkeeping, no amount.
+_QUEUE_WRITES = {b"RPUSH", b"LPOP", b"LINSERT", b"DEL"}
 
 
 def _steps(calls: list[Call], prefix: str, key: str) -> list[tuple[int, int, int, int]]:
@@ -52,12 +59,14 @@ def _steps(calls: list[Call], prefix: str, key: str) -> list[tuple[int, int, int
     (``MONITOR``): (window change, pending change, reservations added to the pending
     entries, reservations taken out). Fails if any such change was made outside a script
     (a step of its own)."""
-    w, pw, pr = (
+    w, pw, pr, pv, pq = (
         window_key(prefix, key).encode(),
         pending_window_key(prefix, key).encode(),
         pending_reservations_key(prefix, key).encode(),
+        pending_total_key(prefix, key).encode(),
+        pending_queue_key(prefix, key).encode(),
     )
-    ours = {w, pw, pr}
+    ours = {w, pw, pr, pv, pq}
     window_total, pending = 0, {}  # the window's sum; the pending window's fields
     steps = []
     for call in calls:
@@ -81,6 +90,25 @@ def _steps(calls: list[Call], prefix: str, key: str) -> list[tuple[int, int, int
                 added += (len(cmd) - 2) // 2
             elif target == pr and name == b"HDEL":
                 removed += len(cmd) - 2
+            # Version 2: bucket fields (digits), the sum (t), the queue's ends (h, n) and
+            # each reservation's entry (r:<id>) in one hash; the queue holds no amount.
+            elif target == pv and name == b"HSET":
+                for f, v in zip(cmd[2::2], cmd[3::2], strict=True):
+                    if f.isdigit():
+                        pending_change += int(v) - pending.get(b"v2:" + f, 0)
+                        pending[b"v2:" + f] = int(v)
+                    added += f.startswith(b"r:")
+            elif target == pv and name == b"HINCRBY" and cmd[2].isdigit():
+                pending[b"v2:" + cmd[2]] = pending.get(b"v2:" + cmd[2], 0) + int(cmd[3])
+                pending_change += int(cmd[3])
+            elif target == pv and name == b"HDEL":
+                pending_change -= sum(pending.pop(b"v2:" + f, 0) for f in cmd[2:] if f.isdigit())
+                removed += sum(f.startswith(b"r:") for f in cmd[2:])
+            elif target == pv and name == b"DEL":
+                pending_change -= sum(v for f, v in pending.items() if f.startswith(b"v2:"))
+                pending = {f: v for f, v in pending.items() if not f.startswith(b"v2:")}
+            elif (target == pv and name == b"HINCRBY") or (target == pq and name in _QUEUE_WRITES):
+                pass  # the version-2 sum ('t') and the queue: bookkeeping, no amount
             elif name not in (b"PEXPIRE", b"EXPIRE", b"PEXPIREAT"):
                 raise AssertionError(f"unexpected write in a script: {cmd[:3]!r}")
         if window_change or pending_change or added or removed:
@@ -89,8 +117,10 @@ def _steps(calls: list[Call], prefix: str, key: str) -> list[tuple[int, int, int
 
 
 class TestAbsorption:
+    @pytest.mark.parametrize("pending", ["version 1", "version 2"])
     async def test_absorbing_reservations_leaves_no_gap_and_no_double_count(
         self,
+        pending: str,
         worker: subprocess.Popen[bytes],
         worker_settings: WorkerSettings,
         apply_policies: ApplyPolicies,
@@ -101,6 +131,10 @@ class TestAbsorption:
         policy = policy_factory(unit="input_tokens", limit=10**6)
         await apply_policies(policy)
         key, prefix = f"{policy.id}|tenant=gap", worker_settings.redis_prefix
+        if pending == "version 2":
+            # A key whose worker already writes version-2 windows: admission holds its
+            # reservations in the version-2 pending window (with no window yet: version 1).
+            redis_sync.set(window_key(prefix, key), window_codec.encode({}, policy.bucket_ms))
         with monitored(redis_sync, prefix) as monitor:
             answers = await asyncio.gather(
                 *(
@@ -124,6 +158,11 @@ class TestAbsorption:
                 await asyncio.sleep(0.01)
             calls = monitor.stop()
         assert samples[-1] == (5000, 0), "the worker did not absorb every reservation"
+        pv = pending_total_key(prefix, key).encode()
+        v2_holds = sum(
+            1 for call in calls for cmd in call.inner if cmd[0].upper() == b"HSET" and cmd[1] == pv
+        )
+        assert (v2_holds > 0) == (pending == "version 2"), v2_holds
         assert samples[0][1] > 0, "absorbed before the first sample: nothing was observed"
         # At every sampled instant the reservations are held exactly once: in pending or
         # in the window. Sampling can miss a short gap; Redis's own record of every
