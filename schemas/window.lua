@@ -12,7 +12,7 @@
 --     in bucket_ms buckets, from its first bytes (WINDOW_FIRST_BYTES of them, or all;
 --     false or '': the empty window) and read(from, to), which returns the bytes from..to
 --     (GETRANGE) for the rest; nil for anything else (decode it).
---   window_fetch(v, lo, hi): read dense slots lo..hi at once (ahead of prefix reads);
+--   window_fetch(v, lo, hi): read a few dense slots lo..hi at once (ahead of prefix reads);
 --     window_index(v, s) -> the slot of the bucket at s
 --   window_prefix(v, s) -> the sum of the amounts of v's buckets starting at or before s
 --     (bucket-aligned); window_amount(v, s) -> the amount of the bucket at s;
@@ -315,30 +315,23 @@ local function window_view(first, bucket_ms, read)
   return v
 end
 
--- Read dense slots lo..hi (clipped to the value) unless every one is known already: a
--- few into the slot cache, a longer run kept as bytes (the block), read where needed.
+-- Read dense slots lo..hi (clipped to the value; a few at most) into the slot cache, unless
+-- every one is known already.
 local function window_fetch(v, lo, hi)
   if v.raw or v.n == 0 then return end
   if lo < 0 then lo = 0 end
   if hi > v.n - 1 then hi = v.n - 1 end
-  if hi < lo then return end
-  local block = v.block
-  if block and lo >= block.lo and hi <= block.hi then return end
   local missing = false
-  for i = lo, math.min(hi, lo + 3) do
+  for i = lo, hi do
     if v.slots[i] == nil then
       missing = true
       break
     end
   end
-  if not missing and hi - lo <= 3 then return end
-  local bytes = v.read(WINDOW_HEAD + 8 * lo, WINDOW_HEAD + 8 * hi + 7)
-  if hi - lo <= 3 then
-    local values = {struct.unpack('<' .. string.rep('i8', hi - lo + 1), bytes)}
-    for j = 0, hi - lo do v.slots[lo + j] = values[j + 1] end
-  else
-    v.block = {lo = lo, hi = hi, bytes = bytes}
-  end
+  if not missing then return end
+  local values = {struct.unpack('<' .. string.rep('i8', hi - lo + 1),
+                                v.read(WINDOW_HEAD + 8 * lo, WINDOW_HEAD + 8 * hi + 7))}
+  for j = 0, hi - lo do v.slots[lo + j] = values[j + 1] end
 end
 
 local function window_index(v, s)
@@ -348,10 +341,6 @@ end
 -- A dense slot's prefix, from wherever it is known (read when not).
 local function window_slot(v, i)
   if v.raw then return (struct.unpack('<i8', v.raw, WINDOW_HEAD + 1 + 8 * i)) end
-  local block = v.block
-  if block and i >= block.lo and i <= block.hi then
-    return (struct.unpack('<i8', block.bytes, 1 + 8 * (i - block.lo)))
-  end
   local value = v.slots[i]
   if value == nil then
     window_fetch(v, i, i)

@@ -91,7 +91,6 @@ __all__ = [
     "pending_fields",
     "read",
     "read_held",
-    "version_of",
 ]
 
 #: The version ``encode`` writes.
@@ -204,13 +203,6 @@ def _header(
     if version == 1:
         return _HEADER_V1.pack(1, kind, bucket_ms, base, n)
     return _HEADER.pack(2, kind, bucket_ms, base, n, neg_ms, total)
-
-
-def version_of(data: bytes) -> int:
-    """The format version of an encoded value (its first byte)."""
-    if not data:
-        raise ValueError("window state: empty value")
-    return data[0]
 
 
 def decode(data: bytes) -> DecodedState:
