@@ -282,7 +282,7 @@ def pending_field(t_ms: int, bucket_ms: int) -> int:
 
 
 def decode_pending(
-    fields: Mapping[bytes | str, bytes | str | int], bucket_ms: int
+    fields: Mapping[bytes, bytes | str | int] | Mapping[str, bytes | str | int], bucket_ms: int
 ) -> dict[int, int]:
     """Read a pending-window hash (either version) as buckets of ``bucket_ms``.
 

@@ -29,6 +29,7 @@ pytest_plugins = [
     "tests.fixtures.admission",
     "tests.fixtures.embedded_lua",
     "tests.fixtures.dashboard",
+    "tests.fixtures.litellm_stack",
 ]
 
 IN_CI = os.environ.get("CI") == "true"
