@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
+from prometheus_client import Counter
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -72,6 +73,21 @@ ENFORCED_CALLS = frozenset({"completion", "acompletion", "text_completion", "ate
 #: Calls remembered between their admit and their settle (older ones expire in spendgate).
 MAX_OPEN_CALLS = 100_000
 
+DECISIONS = Counter(
+    "spendgate_litellm_decisions_total",
+    "Proxy calls by what spendgate decided (allow, cap, downgrade, route, observe_reject, "
+    "reject), or unavailable (admission unreachable: refused) and unmetered (passed).",
+    ["decision"],
+)
+SETTLED = Counter(
+    "spendgate_litellm_settled_total",
+    "Reservations settled by the proxy: commit, release, or failed (left to expire).",
+    ["outcome"],
+)
+STREAMS_STOPPED = Counter(
+    "spendgate_litellm_streams_stopped_total", "Streams ended where an extend was refused."
+)
+
 
 class LiteLLMSettings(BaseSettings):
     """The LiteLLM callback's settings (``SPENDGATE_LITELLM_<NAME>``)."""
@@ -81,9 +97,12 @@ class LiteLLMSettings(BaseSettings):
     admission_url: str = "http://127.0.0.1:8787"
     #: The bearer token the proxy admits with (bound to the tenants it serves).
     token: SecretStr | None = None
-    #: Per attempt (an admit held by a ``delay`` policy may take up to 60 s more).
+    #: Per attempt to reach admission.
     timeout_s: float = Field(2.0, gt=0, le=30)
     retries: int = Field(1, ge=0, le=5)
+    #: How long an admit may be held by a ``delay`` policy (its ``max_delay``); 0 when no
+    #: policy delays. An admit never takes longer than :attr:`admit_deadline_s`.
+    max_hold_s: float = Field(60.0, ge=0, le=60)
     #: The output reserved (and injected as max_tokens) when a request sets none.
     output_allowance: int = Field(1024, ge=1)
     #: A stream's first block and each extend, in output tokens.
@@ -104,9 +123,14 @@ class LiteLLMSettings(BaseSettings):
     max_retry_after_s: int = Field(60, ge=1, le=120)
     #: Kafka, to read the policies' failure modes for when admission is unreachable.
     kafka_bootstrap: str | None = None
-    topic_prefix: str = ""
+    topic_prefix: str = "budget."
     #: The failure mode while admission is unreachable and no policy is known.
     unavailable: Literal["closed", "open"] = "closed"
+
+    @property
+    def admit_deadline_s(self) -> float:
+        """The longest an admit takes before the failure mode decides instead."""
+        return self.timeout_s * (self.retries + 1) + self.max_hold_s + 1.0
 
 
 class SpendgateRefusal(Exception):
@@ -246,9 +270,18 @@ class SpendgateLogger(CustomLogger):
             if s.kafka_bootstrap:
                 from spendgate.streams.policybook import PolicyBook
 
-                self._book = PolicyBook(s.kafka_bootstrap, f"{s.topic_prefix}budget.policies")
+                self._book = PolicyBook(s.kafka_bootstrap, f"{s.topic_prefix}policies")
                 self._book_task = asyncio.ensure_future(self._book.run())
         return self._client
+
+    async def start(self) -> None:
+        """Connect, and wait (up to 30 s) until the policies are read when Kafka is set.
+
+        Optional: the first request does the same without waiting for the policies.
+        """
+        self._admission()
+        if self._book is not None:
+            await asyncio.wait_for(self._book.ready.wait(), timeout=30)
 
     async def aclose(self) -> None:
         """Close the admission client and stop reading policies."""
@@ -284,8 +317,11 @@ class SpendgateLogger(CustomLogger):
         prompt = _prompt_tokens(data)
         estimate = estimate_of(prompt, min(s.stream_step, ceiling) if streaming else ceiling)
         try:
-            decision = await client.admit(subject, estimate, request_id=call_id)
+            decision = await asyncio.wait_for(
+                client.admit(subject, estimate, request_id=call_id), s.admit_deadline_s
+            )
         except BudgetExceeded as exc:
+            DECISIONS.labels(decision="reject").inc()
             raise SpendgateRefusal(refusal_of(exc.decision, s.max_retry_after_s)) from None
         except AdmissionRequestError as exc:
             # The request as mapped cannot be decided (a policy groups by a field the
@@ -295,6 +331,7 @@ class SpendgateLogger(CustomLogger):
         except (AdmissionUnavailable, TimeoutError) as exc:
             self._unreachable(subject, estimate, str(exc))
             return data
+        DECISIONS.labels(decision=decision.decision).inc()
         self._apply(decision, data)
         capped = decision.max_output_tokens
         stream = None
@@ -322,7 +359,9 @@ class SpendgateLogger(CustomLogger):
         policies = dict(self._book.policies) if self._book is not None else None
         if not policies:
             if self.settings.unavailable == "closed":
+                DECISIONS.labels(decision="unavailable").inc()
                 raise SpendgateRefusal(unavailable_refusal(why))
+            DECISIONS.labels(decision="unmetered").inc()
             logger.warning("spendgate unreachable (%s): call passed unmetered", why)
             return
         from spendgate.admission.decide import Planner, fallback_answer
@@ -330,15 +369,19 @@ class SpendgateLogger(CustomLogger):
         try:
             charges = Planner(list(policies.values()), None).charges(subject, estimate)
         except SpendgateError as exc:  # a policy the fallback cannot count: fail closed
+            DECISIONS.labels(decision="unavailable").inc()
             raise SpendgateRefusal(unavailable_refusal(f"{why}; {exc}")) from None
         mode = strictest([c.target.policy for c in charges])
         if mode == "closed":
+            DECISIONS.labels(decision="unavailable").inc()
             raise SpendgateRefusal(unavailable_refusal(why))
         now_ms = int(time.time() * 1000)
         outcome = fallback_answer(self._ledger, charges, subject.model, now_ms, "", 0)
         if outcome.answer is not None and outcome.answer.status == 429:
+            DECISIONS.labels(decision="reject").inc()
             decision = Decision.model_validate(outcome.answer.body)
             raise SpendgateRefusal(refusal_of(decision, self.settings.max_retry_after_s))
+        DECISIONS.labels(decision="unmetered").inc()
         logger.warning("spendgate unreachable (%s): call passed (failure mode %s)", why, mode)
 
     async def async_post_call_success_hook(
@@ -388,6 +431,7 @@ class SpendgateLogger(CustomLogger):
                 if tokens:
                     usage = estimate_of(call.prompt_tokens, produced + tokens)
                     if not await stream.report(usage):
+                        STREAMS_STOPPED.inc()
                         logger.info("stream %s stopped: %s", call_id, stream.refusal)
                         break
                     produced += tokens
@@ -396,8 +440,16 @@ class SpendgateLogger(CustomLogger):
                 yield item
         finally:
             used = reported or estimate_of(call.prompt_tokens, produced)
-            # Shielded: a client that went away cancels this generator, not the commit.
-            await asyncio.shield(asyncio.ensure_future(self._settle(call_id, used)))
+            # Scheduled first: a client that went away cancels this generator, not the
+            # commit; then the provider's stream is closed (it may still be running).
+            settling = asyncio.ensure_future(self._settle(call_id, used))
+            try:
+                closing = getattr(response, "aclose", None)
+                if closing is not None:
+                    with contextlib.suppress(Exception):
+                        await closing()
+            finally:
+                await asyncio.shield(settling)
 
     # -- settle ----------------------------------------------------------------------
 
@@ -413,9 +465,12 @@ class SpendgateLogger(CustomLogger):
         try:
             if usage is not None and usage != Usage():
                 await client.commit(rid, usage)
+                SETTLED.labels(outcome="commit").inc()
             else:
                 await client.release(rid)
+                SETTLED.labels(outcome="release").inc()
         except Exception:  # never fail the caller's answer; the reservation expires
+            SETTLED.labels(outcome="failed").inc()
             logger.exception("settling reservation %s of call %s failed", rid, call_id)
 
 

@@ -1,0 +1,117 @@
+"""The LiteLLM callback when admission cannot be reached: bounded waits, then the failure
+mode of the matching policies (read from the real policies topic) decides."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from spendgate.integrations.litellm import LiteLLMSettings, SpendgateLogger, SpendgateRefusal
+from spendgate.streams.policy_admin import publish_policies
+from spendgate.streams.settings import WorkerSettings
+from tests.fixtures.admission import free_port
+from tests.fixtures.factories import PolicyFactory
+
+pytestmark = pytest.mark.integration
+
+KEY = SimpleNamespace(api_key="hash-1", team_id="acme", user_id="u1")
+
+
+def _data(text: str = "hello") -> dict[str, Any]:
+    return {"model": "big", "messages": [{"role": "user", "content": text}]}
+
+
+@pytest.fixture
+async def silent_admission() -> AsyncIterator[str]:
+    """An address that accepts connections and never answers."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    for writer in held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+async def _handler(settings: LiteLLMSettings) -> SpendgateLogger:
+    handler = SpendgateLogger(settings)
+    await handler.start()
+    return handler
+
+
+class TestUnreachable:
+    async def test_a_silent_admission_is_given_up_on_within_the_deadline(
+        self, silent_admission: str
+    ) -> None:
+        settings = LiteLLMSettings(
+            admission_url=silent_admission, timeout_s=0.3, retries=1, max_hold_s=0
+        )
+        handler = await _handler(settings)
+        started = time.monotonic()
+        with pytest.raises(SpendgateRefusal) as refused:
+            await handler.async_pre_call_hook(KEY, None, _data(), "acompletion")
+        took = time.monotonic() - started
+        assert refused.value.status_code == 503
+        assert refused.value.headers["x-should-retry"] == "true"
+        assert took <= settings.admit_deadline_s + 0.5
+        await handler.aclose()
+
+    async def test_without_known_policies_the_setting_decides(self) -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        closed = await _handler(LiteLLMSettings(admission_url=dead, retries=0))
+        with pytest.raises(SpendgateRefusal):
+            await closed.async_pre_call_hook(KEY, None, _data(), "acompletion")
+        opened = await _handler(LiteLLMSettings(admission_url=dead, retries=0, unavailable="open"))
+        data = await opened.async_pre_call_hook(KEY, None, _data(), "acompletion")
+        assert data["model"] == "big" and data["max_tokens"] == 1024
+        await closed.aclose()
+        await opened.aclose()
+
+    async def test_the_policies_failure_modes_decide(
+        self, worker_settings: WorkerSettings, policy_factory: PolicyFactory
+    ) -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        strict = policy_factory(unit="requests", limit=100, match={"tenant": "strict"})
+        lenient = policy_factory(
+            unit="requests", limit=100, match={"tenant": "lenient"}, failure="open"
+        )
+        local = policy_factory(
+            unit="requests",
+            limit=10,
+            match={"tenant": "local"},
+            failure="degraded",
+            degraded_allowance=0.2,
+        )
+        await publish_policies(worker_settings, [strict, lenient, local])
+        handler = await _handler(
+            LiteLLMSettings(
+                admission_url=dead,
+                retries=0,
+                kafka_bootstrap=worker_settings.kafka_bootstrap,
+                topic_prefix=worker_settings.topic_prefix,
+            )
+        )
+
+        async def call(team: str) -> int:
+            key = SimpleNamespace(api_key="hash-1", team_id=team)
+            try:
+                await handler.async_pre_call_hook(key, None, _data(), "acompletion")
+            except SpendgateRefusal as exc:
+                return exc.status_code
+            return 200
+
+        assert await call("strict") == 503
+        assert [await call("lenient") for _ in range(3)] == [200, 200, 200]
+        # Degraded: this proxy's own allowance, 20% of 10 per window.
+        assert [await call("local") for _ in range(3)] == [200, 200, 429]
+        await handler.aclose()
