@@ -4,20 +4,54 @@ mode of the matching policies (read from the real policies topic) decides."""
 from __future__ import annotations
 
 import asyncio
+import importlib
+import logging
+import os
 import time
-from collections.abc import AsyncIterator
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from types import ModuleType, SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from spendgate.integrations.litellm import LiteLLMSettings, SpendgateLogger, SpendgateRefusal
 from spendgate.streams.policy_admin import publish_policies
 from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
 
+if TYPE_CHECKING:
+    from spendgate.integrations.litellm import LiteLLMSettings, SpendgateLogger
+
 pytestmark = pytest.mark.integration
+
+#: The loggers litellm's import changes (filters on uvicorn's access log, levels), so the
+#: tests that run after these in the same process see their own logging untouched.
+LITELLM_TOUCHES = (
+    "uvicorn.access",
+    "uvicorn.error",
+    "httpx",
+    "asyncio",
+    "backoff",
+    "apscheduler.scheduler",
+    "apscheduler.executors.default",
+)
+
+
+@pytest.fixture(scope="module")
+def integration() -> Iterator[ModuleType]:
+    """``spendgate.integrations.litellm``, imported here rather than at collection, with
+    the loggers litellm's import changed restored after this module's tests."""
+    saved = {
+        name: (list(logging.getLogger(name).filters), logging.getLogger(name).level)
+        for name in LITELLM_TOUCHES
+    }
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    yield importlib.import_module("spendgate.integrations.litellm")
+    for name, (filters, level) in saved.items():
+        logger = logging.getLogger(name)
+        logger.filters[:] = filters
+        logger.setLevel(level)
+
 
 KEY = SimpleNamespace(api_key="hash-1", team_id="acme", user_id="u1")
 
@@ -43,22 +77,22 @@ async def silent_admission() -> AsyncIterator[str]:
     await server.wait_closed()
 
 
-async def _handler(settings: LiteLLMSettings) -> SpendgateLogger:
-    handler = SpendgateLogger(settings)
+async def _handler(integration: ModuleType, **settings: Any) -> SpendgateLogger:
+    handler: SpendgateLogger = integration.SpendgateLogger(integration.LiteLLMSettings(**settings))
     await handler.start()
     return handler
 
 
 class TestUnreachable:
     async def test_a_silent_admission_is_given_up_on_within_the_deadline(
-        self, silent_admission: str
+        self, integration: ModuleType, silent_admission: str
     ) -> None:
-        settings = LiteLLMSettings(
-            admission_url=silent_admission, timeout_s=0.3, retries=1, max_hold_s=0
+        handler = await _handler(
+            integration, admission_url=silent_admission, timeout_s=0.3, retries=1, max_hold_s=0
         )
-        handler = await _handler(settings)
+        settings: LiteLLMSettings = handler.settings
         started = time.monotonic()
-        with pytest.raises(SpendgateRefusal) as refused:
+        with pytest.raises(integration.SpendgateRefusal) as refused:
             await handler.async_pre_call_hook(KEY, None, _data(), "acompletion")
         took = time.monotonic() - started
         assert refused.value.status_code == 503
@@ -66,19 +100,24 @@ class TestUnreachable:
         assert took <= settings.admit_deadline_s + 0.5
         await handler.aclose()
 
-    async def test_without_known_policies_the_setting_decides(self) -> None:
+    async def test_without_known_policies_the_setting_decides(
+        self, integration: ModuleType
+    ) -> None:
         dead = f"http://127.0.0.1:{free_port()}"
-        closed = await _handler(LiteLLMSettings(admission_url=dead, retries=0))
-        with pytest.raises(SpendgateRefusal):
+        closed = await _handler(integration, admission_url=dead, retries=0)
+        with pytest.raises(integration.SpendgateRefusal):
             await closed.async_pre_call_hook(KEY, None, _data(), "acompletion")
-        opened = await _handler(LiteLLMSettings(admission_url=dead, retries=0, unavailable="open"))
+        opened = await _handler(integration, admission_url=dead, retries=0, unavailable="open")
         data = await opened.async_pre_call_hook(KEY, None, _data(), "acompletion")
         assert data["model"] == "big" and data["max_tokens"] == 1024
         await closed.aclose()
         await opened.aclose()
 
     async def test_the_policies_failure_modes_decide(
-        self, worker_settings: WorkerSettings, policy_factory: PolicyFactory
+        self,
+        integration: ModuleType,
+        worker_settings: WorkerSettings,
+        policy_factory: PolicyFactory,
     ) -> None:
         dead = f"http://127.0.0.1:{free_port()}"
         strict = policy_factory(unit="requests", limit=100, match={"tenant": "strict"})
@@ -94,19 +133,18 @@ class TestUnreachable:
         )
         await publish_policies(worker_settings, [strict, lenient, local])
         handler = await _handler(
-            LiteLLMSettings(
-                admission_url=dead,
-                retries=0,
-                kafka_bootstrap=worker_settings.kafka_bootstrap,
-                topic_prefix=worker_settings.topic_prefix,
-            )
+            integration,
+            admission_url=dead,
+            retries=0,
+            kafka_bootstrap=worker_settings.kafka_bootstrap,
+            topic_prefix=worker_settings.topic_prefix,
         )
 
         async def call(team: str) -> int:
             key = SimpleNamespace(api_key="hash-1", team_id=team)
             try:
                 await handler.async_pre_call_hook(key, None, _data(), "acompletion")
-            except SpendgateRefusal as exc:
+            except integration.SpendgateRefusal as exc:
                 return exc.status_code
             return 200
 
