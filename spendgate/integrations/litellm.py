@@ -158,8 +158,6 @@ class _Call:
     decision: Decision
     prompt_tokens: int
     stream: AsyncStream | None
-    at: float
-    settled: bool = False
 
 
 def _max_output(data: Mapping[str, Any]) -> int | None:
@@ -341,7 +339,7 @@ class SpendgateLogger(CustomLogger):
                 first = estimate_of(prompt, capped)
             step = Usage(output_tokens=s.stream_step)
             stream = AsyncStream(decision, first, step, client)
-        self._remember(call_id, _Call(decision, prompt, stream, time.monotonic()))
+        self._remember(call_id, _Call(decision, prompt, stream))
         return data
 
     def _apply(self, decision: Decision, data: dict[str, Any]) -> None:
@@ -454,10 +452,9 @@ class SpendgateLogger(CustomLogger):
     # -- settle ----------------------------------------------------------------------
 
     async def _settle(self, call_id: str, usage: Usage | None) -> None:
-        call = self._calls.pop(call_id, None)
-        if call is None or call.settled:
+        call = self._calls.pop(call_id, None)  # popped: each call settles once
+        if call is None:
             return
-        call.settled = True
         rid = call.decision.reservation_id
         if rid is None:
             return
