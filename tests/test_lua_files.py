@@ -62,6 +62,7 @@ def test_the_scripts_are_all_here() -> None:
     }
     assert {p.name for p in LIBRARIES} == {
         "window.lua",
+        "window_view.lua",
         "burst.lua",
         "redis_values.lua",
         "key_steps.lua",

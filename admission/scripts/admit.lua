@@ -78,6 +78,7 @@
 --   and per target with a burst: its index (1-based), whole tokens left, ms until full.
 --   A replayed answer is the stored one, every value as text.
 --! include spendgate.schemas:window
+--! include spendgate.schemas:window_view
 --! include spendgate.schemas:burst
 --! include spendgate.schemas:redis_values
 --! include spendgate.admission.scripts:key_steps

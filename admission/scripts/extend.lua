@@ -26,6 +26,7 @@
 --   target, as ADMIT's: used, reserved (pending, this extend excluded), own (this extend),
 --   violated (0/1), reset_after_ms, state (codes.STATES)
 --! include spendgate.schemas:window
+--! include spendgate.schemas:window_view
 --! include spendgate.schemas:redis_values
 --! include spendgate.admission.scripts:key_steps
 

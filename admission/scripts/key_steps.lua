@@ -1,6 +1,7 @@
 -- spendgate budget-key steps that ADMIT and EXTEND share.
 -- Library: local functions only; it reads no script keys or arguments and sets no globals.
--- Needs spendgate.schemas:window and spendgate.schemas:redis_values included before it.
+-- Needs spendgate.schemas:window, spendgate.schemas:window_view and
+-- spendgate.schemas:redis_values included before it.
 -- Provides:
 --   marks_states(marks_key, names, now, staleness_ms) -> states: per mark field, 0 vouched,
 --     1 stale (older than now - staleness_ms), 2 missing (codes.STATES)
