@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     from spendgate.schemas.policies import Policy
     from spendgate.streams.alerting import evaluate
     from spendgate.streams.dedupe import IdStore, Position
-    from spendgate.streams.fanout import fan_out
     from spendgate.streams.fold import Rules, UsageRecord, fold_usage
     from spendgate.streams.ledger import KeyedRecord, KeyState, apply
+    from tests.fixtures.fanout import fan_out
 
     n = args.events
     policy = Policy.model_validate(

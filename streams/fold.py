@@ -1,10 +1,10 @@
 """The worker's pure batch fold: raw usage records in; key states, Redis writes, alerts out.
 
 One fold serves the live worker, ``replay`` and ``simulate``. Per record it does what the
-per-record path (``fan_out``, then per budget key ``apply`` and ``evaluate``) does, in the
-same order, so batch boundaries change nothing: every event is applied and its alerts are
-evaluated one at a time; only the *writes* are per batch (one table value and one Redis
-write per touched key).
+per-record reference path (``tests.fixtures.fanout.fan_out``, then per budget key
+``apply`` and ``evaluate``) does, in the same order, so batch boundaries change nothing:
+every event is applied and its alerts are evaluated one at a time; only the *writes* are
+per batch (one table value and one Redis write per touched key).
 
 Where a key is accounted: a *local* key (``schemas.shards.tenant_scoped`` by default) only
 ever sees events of one tenant, and ``budget.usage`` is keyed by tenant, so all its events live in
@@ -20,9 +20,7 @@ decides when a record needs the exact check (a snapshot before it, the encoding 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, cast
 
 import orjson
@@ -33,19 +31,16 @@ from spendgate.schemas.alerts import Alert
 from spendgate.schemas.events import Usage
 from spendgate.schemas.exceptions import SpendgateError
 from spendgate.schemas.fastdecode import Event, decode
-from spendgate.schemas.matching import PolicyIndex
 from spendgate.schemas.overage import OverageMark, ratio_milli
-from spendgate.schemas.policies import Policy
-from spendgate.schemas.prices import PriceCatalog
-from spendgate.schemas.shards import tenant_scoped
-from spendgate.schemas.types import Boundary
 from spendgate.schemas.units import amount
 from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.alerting import evaluate
 from spendgate.streams.dedupe import IdStore, Position
-from spendgate.streams.fanout import invalid_reason, note_ids
+from spendgate.streams.effects import Counts, FoldResult, KeyWrite, Refusal
+from spendgate.streams.ids import invalid_reason, note_ids
 from spendgate.streams.ledger import Change, KeyedRecord, KeyState, apply
 from spendgate.streams.remote import Entry, RemoteBatch
+from spendgate.streams.rules import Plan, Rules
 
 __all__ = [
     "Counts",
@@ -80,150 +75,6 @@ class KeyedMessage(NamedTuple):
     partition: int
     offset: int
     value: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """One policy's figures, parsed once per policy version."""
-
-    policy: Policy
-    window_ms: int
-    bucket_ms: int
-    boundary: Boundary
-    limit: int
-    thresholds: tuple[float, ...]
-    local: bool
-    forecast_ms: int = 0
-
-
-class Rules:
-    """The policies in force and the prices, prepared once per policy version.
-
-    Args:
-        policies: the policies in force.
-        prices: the price catalog (``cost_usd`` policies), if any.
-        local: which policies' keys :func:`fold_usage` applies itself (default
-            :func:`tenant_scoped`; ``replay`` passes ``lambda p: True``: no hop).
-    """
-
-    def __init__(
-        self,
-        policies: Iterable[Policy],
-        prices: PriceCatalog | None,
-        *,
-        local: Callable[[Policy], bool] = tenant_scoped,
-    ) -> None:
-        self.index = PolicyIndex(policies)
-        self.prices = prices
-        self._plans = {
-            p.id: _Plan(
-                p,
-                p.window_ms,
-                p.bucket_ms,
-                p.boundary,
-                p.limit,
-                tuple(p.alerts),
-                local(p),
-                p.forecast_ms,
-            )
-            for p in self.index.policies
-        }
-
-    def plan(self, policy: Policy) -> _Plan:
-        """The prepared figures of one of these policies."""
-        return self._plans[policy.id]
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A record for ``budget.dlq``: why, the record's bytes and where it was read."""
-
-    reason: str
-    raw: bytes
-    topic: Literal["usage", "keyed"]
-    partition: int
-    offset: int
-
-
-@dataclass(slots=True)
-class KeyWrite:
-    """What a batch did to one budget key: its final state and its one Redis write.
-
-    ``changed``: the table value (:meth:`table_value`) must be written (some record
-    applied); a key touched by redeliveries only needs its Redis write. The Redis write
-    (``streams.materialize.RedisMaterializer.absorb``): :meth:`window` (``None``: leave the
-    window as it is), ``absorbed`` reservation ids, ``version`` and ``spec``; due when
-    :attr:`redis_due`.
-    """
-
-    key: str
-    state: KeyState
-    spec: WindowSpec
-    changed: bool = False
-    window_changed: bool = False
-    absorbed: dict[str, None] = field(default_factory=dict)
-    #: The key's last overage in this batch, for ``overage: cap_next`` (written to Redis).
-    overage: OverageMark | None = None
-    _encoded: tuple[int, bytes] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def redis_due(self) -> bool:
-        """Whether Redis needs a write for this key."""
-        return self.window_changed or bool(self.absorbed)
-
-    @property
-    def version(self) -> int:
-        """The version written beside the window (``KeyState.version``)."""
-        return self.state.version
-
-    def table_value(self) -> bytes:
-        """The table value (``KeyState.to_bytes``; its window encoded once with Redis's)."""
-        width = self.state.bucket_ms
-        return self.state.to_bytes(self._window_bytes(width) if width else None)
-
-    def window(self) -> bytes | None:
-        """The window for Redis, or ``None`` when no bucket changed over the batch."""
-        if not self.window_changed:
-            return None
-        return self._window_bytes(self.spec.bucket_ms)
-
-    def _window_bytes(self, bucket_ms: int) -> bytes:
-        # The table's width (the state's) and Redis's (the spec's) are the same once the
-        # key has applied a record: one encoding serves both.
-        if self._encoded is None or self._encoded[0] != bucket_ms:
-            self._encoded = (bucket_ms, window_codec.encode(self.state.buckets, bucket_ms))
-        return self._encoded[1]
-
-
-@dataclass(slots=True)
-class Counts:
-    """What the worker's metrics count, for one batch.
-
-    ``events``: usage records by (kind, outcome: counted, duplicate, dead_lettered; kind
-    ``invalid`` for records refused whole). ``outcomes``: per-key records by outcome
-    (applied, redelivery, late_dropped, too_large).
-    """
-
-    events: Counter[tuple[str, str]] = field(default_factory=Counter)
-    outcomes: Counter[str] = field(default_factory=Counter)
-    duplicates: int = 0
-    clamped: int = 0
-
-
-@dataclass(slots=True)
-class FoldResult:
-    """One batch's effects, for the worker to write, send and count before it acks.
-
-    ``writes`` per touched key in first-touch order; ``alerts`` and ``refusals`` in event
-    order; ``remote``: the keyed topic's messages (:func:`fold_usage` only), ordered by
-    source partition, then key by first touch.
-    """
-
-    writes: list[KeyWrite]
-    alerts: list[Alert]
-    refusals: list[Refusal]
-    remote: list[RemoteBatch]
-    counts: Counts
 
 
 #: Generous upper bounds of the JSON bytes one item of a key's state takes (see
@@ -351,7 +202,7 @@ class _Split:
         self.rules = rules
         self.ids = ids
         self.skew_ms = max_future_skew_ms
-        self.remote: dict[tuple[int, str], tuple[_Plan, list[Entry], list[int]]] = {}
+        self.remote: dict[tuple[int, str], tuple[Plan, list[Entry], list[int]]] = {}
 
     def record(self, rec: UsageRecord) -> None:
         origin = _Origin(rec.value, "usage", rec.partition, rec.offset)
@@ -386,7 +237,7 @@ class _Split:
         occurred_ms = rec.broker_ms if clamped else event.occurred_ms
         counts.events[(event.kind, "counted")] += 1
         counts.clamped += clamped
-        due: list[tuple[str, _Plan, int]] = []
+        due: list[tuple[str, Plan, int]] = []
         for target in matched:
             plan = self.rules.plan(target.policy)
             try:
@@ -397,25 +248,18 @@ class _Split:
         for key, plan, amt in due:
             if plan.local:
                 self.fold.account(
-                    KeyedRecord(
+                    plan.terms.record(
+                        key,
                         event_id=event.event_id,
                         kind=event.kind,
-                        policy=plan.policy.id,
-                        key=key,
                         occurred_ms=occurred_ms,
                         amount=amt,
-                        window_ms=plan.window_ms,
-                        bucket_ms=plan.bucket_ms,
-                        limit=plan.limit,
                         src_partition=rec.partition,
                         src_offset=rec.offset,
-                        boundary=plan.boundary,
-                        thresholds=plan.thresholds,
                         reservation_id=event.reservation_id,
                         expires_ms=event.expires_ms,
                         settled=settled,
                         broker_ms=rec.broker_ms,
-                        forecast_ms=plan.forecast_ms,
                     ),
                     origin,
                 )
@@ -442,7 +286,7 @@ class _Split:
         self.fold.counts.events[("invalid", "dead_lettered")] += 1
         self.fold.refuse(reason, origin.raw, origin)
 
-    def _amount(self, plan: _Plan, event: Event) -> int:
+    def _amount(self, plan: Plan, event: Event) -> int:
         if event.usage is None:
             return 0
         # The fast-decoded usage has Usage's attributes, which is all ``amount`` reads.
@@ -453,17 +297,17 @@ class _Split:
         return [
             RemoteBatch(
                 key=key,
-                policy=plan.policy.id,
-                window_ms=plan.window_ms,
-                bucket_ms=plan.bucket_ms,
-                boundary=plan.boundary,
-                limit=plan.limit,
-                thresholds=plan.thresholds,
+                policy=plan.terms.policy,
+                window_ms=plan.terms.window_ms,
+                bucket_ms=plan.terms.bucket_ms,
+                boundary=plan.terms.boundary,
+                limit=plan.terms.limit,
+                thresholds=plan.terms.thresholds,
                 src_partition=partition,
                 last_offset=max(e[0] for e in entries),
                 broker_ms=max(broker),
                 entries=tuple(entries),
-                forecast_ms=plan.forecast_ms,
+                forecast_ms=plan.terms.forecast_ms,
             )
             for (partition, key), (plan, entries, broker) in sorted(
                 self.remote.items(), key=lambda item: item[0][0]

@@ -11,7 +11,7 @@ from spendgate.schemas.events import parse_event
 from spendgate.schemas.exceptions import SpendgateError
 from spendgate.streams import metrics
 from spendgate.streams.dedupe import IdStore, Position
-from spendgate.streams.fanout import note
+from spendgate.streams.ids import note
 from spendgate.streams.kafka_util import assign, stop
 
 logger = logging.getLogger(__name__)

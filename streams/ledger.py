@@ -40,6 +40,7 @@ import orjson
 from spendgate.schemas import window_codec, windows
 from spendgate.schemas.events import EventKind, ExtendEvent, ReleaseEvent, ReserveEvent, UsageEvent
 from spendgate.schemas.matching import BudgetTarget
+from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
 from spendgate.schemas.types import Boundary
 from spendgate.schemas.units import amount
@@ -371,6 +372,73 @@ def _prune(spec: WindowSpec, state: KeyState) -> bool:
     return dropped > 0
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyTerms:
+    """What every record of one policy carries: its id, window, limit and alert figures.
+
+    The one builder of :class:`KeyedRecord` (:meth:`record`): the fold makes one per policy
+    version, a keyed batch one per batch (``streams.remote``).
+    """
+
+    policy: str
+    window_ms: int
+    bucket_ms: int
+    limit: int
+    boundary: Boundary = "include"
+    thresholds: tuple[float, ...] = ()
+    forecast_ms: int = 0
+
+    @classmethod
+    def of(cls, policy: Policy) -> PolicyTerms:
+        """The terms of ``policy`` as it stands."""
+        return cls(
+            policy.id,
+            policy.window_ms,
+            policy.bucket_ms,
+            policy.limit,
+            policy.boundary,
+            tuple(policy.alerts),
+            policy.forecast_ms,
+        )
+
+    def record(
+        self,
+        key: str,
+        *,
+        event_id: str,
+        kind: Kind,
+        occurred_ms: int,
+        amount: int,
+        src_partition: int,
+        src_offset: int,
+        reservation_id: str | None = None,
+        expires_ms: int | None = None,
+        settled: bool = False,
+        broker_ms: int = 0,
+    ) -> KeyedRecord:
+        """The record of one event for budget key ``key`` under these terms."""
+        return KeyedRecord(
+            event_id=event_id,
+            kind=kind,
+            policy=self.policy,
+            key=key,
+            occurred_ms=occurred_ms,
+            amount=amount,
+            window_ms=self.window_ms,
+            bucket_ms=self.bucket_ms,
+            limit=self.limit,
+            src_partition=src_partition,
+            src_offset=src_offset,
+            boundary=self.boundary,
+            thresholds=self.thresholds,
+            reservation_id=reservation_id,
+            expires_ms=expires_ms,
+            settled=settled,
+            broker_ms=broker_ms,
+            forecast_ms=self.forecast_ms,
+        )
+
+
 def keyed_record(
     event: UsageEvent,
     target: BudgetTarget,
@@ -401,21 +469,14 @@ def keyed_record(
         if isinstance(event, ReleaseEvent)
         else amount(policy, event.usage, prices, model=event.subject.model)
     )
-    return KeyedRecord(
+    return PolicyTerms.of(policy).record(
+        target.key,
         event_id=event.event_id,
         kind=event.kind,
-        policy=policy.id,
-        key=target.key,
         occurred_ms=event.occurred_ms if occurred_ms is None else occurred_ms,
         amount=usage_amount,
-        window_ms=policy.window_ms,
-        bucket_ms=policy.bucket_ms,
-        limit=policy.limit,
         src_partition=src_partition,
         src_offset=src_offset,
-        boundary=policy.boundary,
-        thresholds=tuple(policy.alerts),
-        forecast_ms=policy.forecast_ms,
         reservation_id=getattr(event, "reservation_id", None),
         expires_ms=event.expires_ms if isinstance(event, ReserveEvent) else None,
         settled=settled and isinstance(event, ReserveEvent | ExtendEvent),

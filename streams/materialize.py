@@ -35,7 +35,7 @@ from spendgate.streams.scripts import absorb, claim, heal, mark, sample
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 
 if TYPE_CHECKING:
-    from spendgate.streams.fold import KeyWrite
+    from spendgate.streams.effects import KeyWrite
 
 #: Windows rewritten per round trip by a restore.
 RESTORE_KEYS_PER_TRIP = 500

@@ -27,7 +27,7 @@ from typing import Literal
 import msgspec
 
 from spendgate.schemas.types import Boundary
-from spendgate.streams.ledger import KeyedRecord, Kind
+from spendgate.streams.ledger import KeyedRecord, Kind, PolicyTerms
 
 __all__ = ["Entry", "RemoteBatch"]
 
@@ -72,26 +72,28 @@ class RemoteBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def records(self) -> list[KeyedRecord]:
         """The entries as the records ``streams.ledger.apply`` takes, in order."""
+        terms = PolicyTerms(
+            self.policy,
+            self.window_ms,
+            self.bucket_ms,
+            self.limit,
+            self.boundary,
+            self.thresholds,
+            self.forecast_ms,
+        )
         return [
-            KeyedRecord(
+            terms.record(
+                self.key,
                 event_id=event_id,
                 kind=kind,
-                policy=self.policy,
-                key=self.key,
                 occurred_ms=occurred_ms,
                 amount=amount,
-                window_ms=self.window_ms,
-                bucket_ms=self.bucket_ms,
-                limit=self.limit,
                 src_partition=self.src_partition,
                 src_offset=offset,
-                boundary=self.boundary,
-                thresholds=self.thresholds,
                 reservation_id=rid,
                 expires_ms=expires_ms,
                 settled=settled,
                 broker_ms=self.broker_ms,
-                forecast_ms=self.forecast_ms,
             )
             for offset, kind, occurred_ms, amount, rid, expires_ms, settled, event_id in (
                 self.entries

@@ -36,12 +36,12 @@ from spendgate.devstack import LocalStack, StackSettings
 from spendgate.schemas.events import parse_event
 from spendgate.schemas.policies import Policy
 from spendgate.streams.dedupe import IdStore, Position
-from spendgate.streams.fanout import fan_out
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.ledger import KeyState, apply
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.fanout import fan_out
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 SCENARIO = 12

@@ -30,12 +30,12 @@ from spendgate.schemas.events import ReserveEvent, parse_event
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import unpublished_reserves_key
 from spendgate.streams.dedupe import IdStore, Position
-from spendgate.streams.fanout import fan_out
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.ledger import KeyState, apply
 from tests.faults.conftest import AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.fanout import fan_out
 from tests.fixtures.services import Services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from spendgate.schemas.policies import Policy
 from spendgate.streams.dedupe import IdStore, Position, event_digest, settled_digest
-from spendgate.streams.fanout import fan_out
+from tests.fixtures.fanout import fan_out
 
 HOUR = 3_600_000
 

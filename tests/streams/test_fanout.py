@@ -7,7 +7,7 @@ from typing import Any
 
 from spendgate.schemas.policies import Policy
 from spendgate.streams.dedupe import Position
-from spendgate.streams.fanout import fan_out
+from tests.fixtures.fanout import fan_out
 
 NOW_MS = 1_800_000_000_000
 POLICIES = [

@@ -18,7 +18,6 @@ from spendgate.schemas.policies import Policy
 from spendgate.schemas.shards import tenant_scoped
 from spendgate.streams.alerting import evaluate
 from spendgate.streams.dedupe import IdStore, Position
-from spendgate.streams.fanout import fan_out
 from spendgate.streams.fold import (
     KeyedMessage,
     Rules,
@@ -28,6 +27,7 @@ from spendgate.streams.fold import (
 )
 from spendgate.streams.ledger import KeyedRecord, KeyState, apply
 from spendgate.streams.remote import RemoteBatch
+from tests.fixtures.fanout import fan_out
 
 BASE_MS = 1_800_000_000_000
 SKEW_MS = 300_000
