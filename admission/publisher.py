@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
+import functools
 import logging
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiokafka import AIOKafkaProducer
 
 from spendgate.admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES, UNPUBLISHED_AT_SHUTDOWN
+from spendgate.admission.outbound import BoundedProducer
 from spendgate.schemas.events import UsageEvent, partition_key
 
 logger = logging.getLogger(__name__)
@@ -21,26 +21,6 @@ logger = logging.getLogger(__name__)
 ACKED_MEMORY = 65_536
 #: Event ids per log line of the shutdown report (one line per chunk, none cut).
 IDS_PER_LINE = 500
-
-
-async def start_producer(what: str, retry_s: float, **options: Any) -> AIOKafkaProducer:
-    """Start an aiokafka producer with ``options``, retrying every ``retry_s`` until it
-    starts (the service answers meanwhile); a cancelled start stops what it began."""
-    while True:
-        producer = AIOKafkaProducer(**options)
-        try:
-            await producer.start()
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await producer.stop()
-            raise
-        except Exception as exc:  # noqa: BLE001 - any start failure: retry later
-            logger.warning("%s cannot start (%s); retrying", what, exc)
-            with contextlib.suppress(Exception):
-                await producer.stop()
-            await asyncio.sleep(retry_s)
-            continue
-        return producer
 
 
 class UsagePublisher(Protocol):
@@ -65,7 +45,7 @@ class UsagePublisher(Protocol):
         ...
 
 
-class KafkaPublisher:
+class KafkaPublisher(BoundedProducer[UsageEvent]):
     """An idempotent aiokafka producer (``acks=all``) fed from a bounded in-memory buffer.
 
     ``publish`` never waits: the event joins the buffer and a background task sends it
@@ -84,6 +64,7 @@ class KafkaPublisher:
 
     ``on_acked``, when set, is called with every event the broker acked (from the ack
     callback: it must not block); the reserve sweeper uses it to unlist acked reserves.
+    The buffer, its background sender and ``flush`` are :class:`BoundedProducer`'s.
     """
 
     def __init__(
@@ -96,43 +77,32 @@ class KafkaPublisher:
         ack_timeout_s: float = 2.0,
         shutdown_s: float = 10.0,
     ) -> None:
-        self.topic = topic
-        self.bootstrap = bootstrap
-        self.capacity = buffer
-        self.retry_s = retry_s
+        super().__init__(
+            "Kafka producer",
+            bootstrap,
+            topic,
+            buffer,
+            retry_s=retry_s,
+            enable_idempotence=True,
+            acks="all",
+            linger_ms=2,
+            request_timeout_ms=10_000,
+        )
         self.ack_timeout_s = ack_timeout_s
         self.shutdown_s = shutdown_s
-        self.producer: AIOKafkaProducer | None = None
-        self._queue: deque[UsageEvent] = deque()
-        self._inflight: dict[int, UsageEvent] = {}
-        self._seq = itertools.count()
         #: event id -> the future its ``publish_acked`` callers wait on.
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
         #: event id -> copies queued or in flight (``publish_acked`` joins a held one).
         self._held: dict[str, int] = {}
         self.on_acked: Callable[[UsageEvent], None] | None = None
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self.connected = False
-
-    @property
-    def depth(self) -> int:
-        """Events accepted and not yet acked."""
-        return len(self._queue) + len(self._inflight)
-
-    def has_room(self) -> bool:
-        """Whether one more event fits in the buffer."""
-        return self.depth < self.capacity
 
     def publish(self, event: UsageEvent) -> bool:
         """Queue one event for sending; False when the buffer is full."""
-        if not self.has_room():
+        if not self._accept(event):
             return False
-        self._queue.append(event)
         self._held[event.event_id] = self._held.get(event.event_id, 0) + 1
         PUBLISH_BUFFER.set(self.depth)
-        self._wakeup.set()
         return True
 
     async def publish_acked(self, event: UsageEvent) -> bool:
@@ -178,39 +148,20 @@ class KafkaPublisher:
             self._acked.popitem(last=False)
 
     def _done(self, seq: int, event: UsageEvent, future: asyncio.Future[object]) -> None:
-        self._inflight.pop(seq, None)
         if future.cancelled() or future.exception() is not None:
             PUBLISH_RETRIES.inc()
             logger.warning("publishing %s failed; will retry", event.event_id)
-            self._queue.appendleft(event)
-            self._wakeup.set()
+            self._requeue(seq, event)
         else:
             self._acked_ok(event)
+            self._settle((seq,))
         PUBLISH_BUFFER.set(self.depth)
 
-    async def _start_producer(self) -> AIOKafkaProducer:
-        producer = await start_producer(
-            "Kafka producer",
-            self.retry_s,
-            bootstrap_servers=self.bootstrap,
-            enable_idempotence=True,
-            acks="all",
-            linger_ms=2,
-            request_timeout_ms=10_000,
-        )
-        self.connected = True
-        return producer
-
-    async def _run(self) -> None:
-        self.producer = producer = await self._start_producer()
-        while True:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            event = self._queue.popleft()
-            seq = next(self._seq)
-            self._inflight[seq] = event
+    async def _send_queued(self, producer: AIOKafkaProducer) -> None:
+        """Hand every queued event to ``send()`` one by one (the producer batches them);
+        its ack is observed on the returned future."""
+        while self._queue:
+            ((seq, event),) = self._take(1)
             try:
                 future = await producer.send(
                     self.topic,
@@ -219,27 +170,18 @@ class KafkaPublisher:
                 )
             except BaseException as exc:
                 # Cancelled (shutdown) or refused: the event is still ours to account for.
-                self._inflight.pop(seq, None)
-                self._queue.appendleft(event)
+                self._requeue(seq, event)
                 if not isinstance(exc, Exception):
                     raise
                 PUBLISH_RETRIES.inc()
                 logger.warning("queueing %s failed (%s); retrying", event.event_id, exc)
                 await asyncio.sleep(self.retry_s)
-                continue
-            future.add_done_callback(lambda f, s=seq, e=event: self._done(s, e, f))
-
-    async def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every accepted event is acked; False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.depth and loop.time() < deadline:  # noqa: ASYNC110 - acks arrive as callbacks
-            await asyncio.sleep(0.02)
-        return self.depth == 0
+                return
+            future.add_done_callback(functools.partial(self._done, seq, event))
 
     def unpublished(self) -> list[UsageEvent]:
         """Events accepted and not (yet) acked: in flight first, then queued."""
-        return [*self._inflight.values(), *self._queue]
+        return [*self._inflight.values(), *(event for _, event in self._queue)]
 
     def _report_unpublished(self) -> None:
         left = self.unpublished()
@@ -259,27 +201,8 @@ class KafkaPublisher:
         for start in range(0, len(ids), IDS_PER_LINE):
             logger.error("unpublished event ids: %s", " ".join(ids[start : start + IDS_PER_LINE]))
 
-    async def __aenter__(self) -> KafkaPublisher:
-        # aiokafka binds to the running loop, so the producer is made in the task.
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._run())
-        return self
-
     async def __aexit__(self, *exc: object) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.shutdown_s
-        if self.depth:
-            await self.flush(self.shutdown_s)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.producer is not None:
-            # Bounded: with the broker gone, stopping would otherwise wait out every batch.
-            try:
-                await asyncio.wait_for(self.producer.stop(), max(0.5, deadline - loop.time()))
-            except TimeoutError:
-                logger.warning("the Kafka producer did not stop in time")
+        await self._close(self.shutdown_s)
         for waiter in self._waiting.values():
             waiter.cancel()
         self._report_unpublished()

@@ -2,7 +2,8 @@
 
 A refusal is history, not accounting: nothing waits for it, nothing retries it for long.
 The admit path hands it over (:meth:`KafkaRefusals.offer`, O(1), never blocks); a
-background task wakes at most once per linger (0.1 s) and sends what queued meanwhile (up
+background task (:class:`~spendgate.admission.outbound.BoundedProducer`'s sender) wakes at
+most once per linger (0.1 s) and sends what queued meanwhile (up
 to 1,000 a pass) as one record batch per partition with ``acks=1``, never awaited on the
 admit path. (Sent one by one, a refusal cost 1.42x the server CPU of a refused request
 before refusals were published, at one connection; ``bench.admission_ab``.) When the
@@ -16,11 +17,9 @@ Drops at shutdown are only logged and counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections import deque
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -29,7 +28,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
 from spendgate.admission.metrics import REFUSALS
-from spendgate.admission.publisher import start_producer
+from spendgate.admission.outbound import BoundedProducer
 from spendgate.schemas.events import partition_key
 from spendgate.schemas.refusals import Refusal, RefusalGap
 
@@ -57,7 +56,7 @@ class NoRefusals:
         return False
 
 
-class KafkaRefusals:
+class KafkaRefusals(BoundedProducer[Refusal]):
     """A bounded buffer of refusals drained to Kafka by a background task.
 
     Args:
@@ -71,33 +70,28 @@ class KafkaRefusals:
     def __init__(
         self, bootstrap: str, topic: str, buffer: int, retry_s: float = 0.5, linger_s: float = 0.1
     ) -> None:
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.capacity = buffer
-        self.retry_s = retry_s
-        self.linger_s = linger_s
-        self._queue: deque[Refusal] = deque()
-        self._inflight = 0
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self.producer: AIOKafkaProducer | None = None
+        super().__init__(
+            "refusals producer",
+            bootstrap,
+            topic,
+            buffer,
+            retry_s=retry_s,
+            linger_s=linger_s,
+            acks=1,
+            linger_ms=5,
+            request_timeout_ms=10_000,
+        )
+        self._partitioner = DefaultPartitioner()
         #: Refusals dropped since the last gap record, and when the first of them was.
         self._dropped = 0
         self._dropped_since_ms = 0
 
-    @property
-    def depth(self) -> int:
-        """Refusals queued or sent and not yet acknowledged."""
-        return len(self._queue) + self._inflight
-
     def offer(self, refusal: Refusal) -> bool:
         """Queue ``refusal`` for sending; when the buffer is full drop it and count it."""
-        if self.depth >= self.capacity:
-            self._drop(1)
-            return False
-        self._queue.append(refusal)
-        self._wakeup.set()
-        return True
+        if self._accept(refusal):
+            return True
+        self._drop(1)
+        return False
 
     def _drop(self, n: int) -> None:
         REFUSALS.labels(result="dropped").inc(n)
@@ -105,13 +99,13 @@ class KafkaRefusals:
             self._dropped_since_ms = int(time.time() * 1000)
         self._dropped += n
 
-    def _sent(self, future: asyncio.Future[object], n: int) -> None:
-        """A batch of ``n`` refusals was answered (or failed): out of flight, counted."""
-        self._inflight -= n
+    def _sent(self, future: asyncio.Future[object], seqs: list[int]) -> None:
+        """A batch of refusals was answered (or failed): settled, and counted."""
+        self._settle(seqs)
         if future.cancelled() or future.exception() is not None:
-            self._drop(n)
+            self._drop(len(seqs))
         else:
-            REFUSALS.labels(result="published").inc(n)
+            REFUSALS.labels(result="published").inc(len(seqs))
 
     async def _send_gap(self, producer: AIOKafkaProducer) -> None:
         """Say on the topic how many refusals were dropped since when (best effort)."""
@@ -129,91 +123,42 @@ class KafkaRefusals:
             self._dropped += n
             self._dropped_since_ms = since_ms
 
-    async def _start(self) -> AIOKafkaProducer:
-        return await start_producer(
-            "refusals producer",
-            self.retry_s,
-            bootstrap_servers=self.bootstrap,
-            acks=1,
-            linger_ms=5,
-            request_timeout_ms=10_000,
-        )
-
-    async def _run(self) -> None:
-        self.producer = producer = await self._start()
-        partitioner = DefaultPartitioner()
-        while True:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            # Let refusals gather: one wake-up and one batch per partition, however many.
-            await asyncio.sleep(self.linger_s)
-            if self._dropped:
-                await self._send_gap(producer)
-            try:
-                await self._send_queued(producer, partitioner)
-            except Exception as exc:  # noqa: BLE001 - not worth a retry loop: counted, go on
-                logger.warning("refusals not published (%s)", exc)
-                await asyncio.sleep(self.retry_s)
-
-    async def _send_queued(
-        self, producer: AIOKafkaProducer, partitioner: DefaultPartitioner
-    ) -> None:
+    async def _send_queued(self, producer: AIOKafkaProducer) -> None:
         """Send the queued refusals, one record batch per partition (more when full), at
         most :data:`PASS_RECORDS` per pass: a backlog (Kafka was away) is encoded a slice at
-        a time, never in one long stall of the event loop."""
+        a time, never in one long stall of the event loop. A gap record, when refusals were
+        dropped since the last one, goes first. A failed send drops (and counts) what it
+        had not sent: not worth a retry loop."""
+        if self._dropped:
+            await self._send_gap(producer)
         partitions = sorted(await producer.partitions_for(self.topic))
-        batches: list[tuple[int, BatchBuilder, int]] = []
-        filling: dict[int, tuple[BatchBuilder, int]] = {}
-        for _ in range(min(len(self._queue), PASS_RECORDS)):
-            refusal = self._queue.popleft()
-            self._inflight += 1
+        batches: list[tuple[int, BatchBuilder, list[int]]] = []
+        filling: dict[int, tuple[BatchBuilder, list[int]]] = {}
+        for seq, refusal in self._take(PASS_RECORDS):
             key = partition_key(refusal.subject)
             value = refusal.model_dump_json().encode()
-            partition = partitioner(key, partitions, partitions)
-            batch, n = filling.get(partition) or (producer.create_batch(), 0)
+            partition = self._partitioner(key, partitions, partitions)
+            batch, seqs = filling.get(partition) or (producer.create_batch(), [])
             if batch.append(timestamp=None, key=key, value=value) is None:
-                batches.append((partition, batch, n))
-                batch, n = producer.create_batch(), 0
+                batches.append((partition, batch, seqs))
+                batch, seqs = producer.create_batch(), []
                 batch.append(timestamp=None, key=key, value=value)
-            filling[partition] = (batch, n + 1)
-        batches += [(partition, batch, n) for partition, (batch, n) in filling.items()]
-        for i, (partition, batch, n) in enumerate(batches):
+            seqs.append(seq)
+            filling[partition] = (batch, seqs)
+        batches += [(partition, batch, seqs) for partition, (batch, seqs) in filling.items()]
+        for i, (partition, batch, seqs) in enumerate(batches):
             try:
                 future = await producer.send_batch(batch, self.topic, partition=partition)
             except BaseException:
-                unsent = sum(n for _, _, n in batches[i:])
-                self._inflight -= unsent
-                self._drop(unsent)
+                unsent = [seq for _, _, rest in batches[i:] for seq in rest]
+                self._settle(unsent)
+                self._drop(len(unsent))
                 raise
-            future.add_done_callback(functools.partial(self._sent, n=n))
-
-    async def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued refusal was sent and answered; False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.depth and loop.time() < deadline:  # noqa: ASYNC110 - acks arrive as callbacks
-            await asyncio.sleep(0.02)
-        return self.depth == 0
-
-    async def __aenter__(self) -> KafkaRefusals:
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._run())
-        return self
+            future.add_done_callback(functools.partial(self._sent, seqs=seqs))
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.depth and self.producer is not None:
-            await self.flush(2.0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.producer is not None:
-            try:
-                await asyncio.wait_for(self.producer.stop(), 2.0)
-            except TimeoutError:
-                logger.warning("the refusals producer did not stop in time")
+        # Waiting for a broker never reached would only delay the shutdown.
+        await self._close(2.0 if self.producer is not None else 0.0, stop_s=2.0)
         if self.depth:
             REFUSALS.labels(result="dropped").inc(self.depth)
             logger.warning("%d refusals not published before shutdown", self.depth)
