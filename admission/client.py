@@ -40,23 +40,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
 
-from spendgate.admission.exceptions import (
-    AdmissionRequestError,
-    AdmissionUnavailable,
-    BudgetExceeded,
+from spendgate.admission._client_http import MAX_HOLD_S as MAX_HOLD_S
+from spendgate.admission._client_http import (
+    RetryingClient,
+    SubjectLike,
+    UsageLike,
+    admit_timeout,
+    as_subject,
+    as_usage,
+    raise_for,
+    retriable,
+    server_error,
+    used,
+)
+from spendgate.admission.exceptions import AdmissionRequestError as AdmissionRequestError
+from spendgate.admission.exceptions import AdmissionUnavailable
+from spendgate.admission.exceptions import BudgetExceeded as BudgetExceeded
+from spendgate.admission.generations import (
+    AsyncGeneration,
+    AsyncStream,
+    Generation,
+    Stream,
+    SyncStream,
 )
 from spendgate.schemas.decisions import Decision
-from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.events import Subject as Subject
+from spendgate.schemas.events import Usage as Usage
 
+# The ``X as X`` imports keep names this module offered before the split importable from
+# here (the README imports BudgetExceeded from it); ``__all__`` is what it always was.
 __all__ = [
     "AdmissionClient",
     "AsyncAdmissionClient",
@@ -69,200 +89,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SubjectLike = Subject | Mapping[str, Any]
-UsageLike = Usage | Mapping[str, Any]
 
-
-def _subject(value: SubjectLike) -> Subject:
-    return value if isinstance(value, Subject) else Subject.model_validate(value)
-
-
-def _usage(value: UsageLike) -> Usage:
-    return value if isinstance(value, Usage) else Usage.model_validate(value)
-
-
-def _raise_for(response: httpx.Response, refusal_ok: bool = False) -> None:
-    if response.status_code == 429 and refusal_ok:
-        return
-    if response.status_code == 429:
-        raise BudgetExceeded(Decision.model_validate(response.json()))
-    if response.status_code >= 400:
-        try:
-            error = response.json()["error"]
-            code, message, field = error["code"], error["message"], error.get("field")
-        except (ValueError, KeyError, TypeError):
-            code, message, field = "http_error", response.text[:200], None
-        raise AdmissionRequestError(response.status_code, code, message, field)
-
-
-def _retriable(response: httpx.Response) -> bool:
-    return response.status_code >= 500
-
-
-def _server_error(response: httpx.Response) -> AdmissionRequestError:
-    try:
-        error = response.json()["error"]
-        return AdmissionRequestError(response.status_code, error["code"], error["message"])
-    except (ValueError, KeyError, TypeError):
-        return AdmissionRequestError(response.status_code, "server_error", response.text[:200])
-
-
-def _retry_after_s(response: httpx.Response | None) -> float:
-    """The ``Retry-After`` of a 5xx in seconds (0 when absent or an HTTP date)."""
-    if response is None:
-        return 0.0
-    try:
-        return max(0.0, float(response.headers.get("Retry-After", "")))
-    except ValueError:
-        return 0.0
-
-
-#: The longest an admission service holds an admit (a policy's ``max_delay`` is at most 60 s).
-MAX_HOLD_S = 60.0
-
-
-def _admit_timeout(timeout_s: float) -> httpx.Timeout:
-    """``timeout_s`` for everything but reading an admit's answer, which may be held."""
-    return httpx.Timeout(timeout_s, read=timeout_s + MAX_HOLD_S)
-
-
-class _Base:
-    def __init__(
-        self, token: str | None, retries: int, backoff_s: float, max_backoff_s: float
-    ) -> None:
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-
-    def _wait(self, attempt: int, last: httpx.Response | None = None) -> float:
-        """Seconds to sleep before retry number ``attempt + 1``.
-
-        Exponential with jitter (half to all of ``backoff_s * 2**attempt``, so callers
-        that failed together do not return together), at least the service's
-        ``Retry-After``, never more than ``max_backoff_s``.
-        """
-        backoff = min(self.max_backoff_s, self.backoff_s * (2**attempt))
-        backoff *= random.uniform(0.5, 1.0)  # jitter, not secrecy
-        return float(min(self.max_backoff_s, max(backoff, _retry_after_s(last))))
-
-
-class Generation:
-    """One admitted generation: its decision, and the usage reported so far."""
-
-    def __init__(self, decision: Decision) -> None:
-        self.decision = decision
-        self.usage: Usage | None = None
-
-    @property
-    def reservation_id(self) -> str:
-        """The reservation to settle."""
-        assert self.decision.reservation_id is not None
-        return self.decision.reservation_id
-
-    @property
-    def max_output_tokens(self) -> int | None:
-        """The output the caller must not exceed (set when the decision is ``cap``)."""
-        return self.decision.max_output_tokens
-
-    @property
-    def model(self) -> str | None:
-        """The model to serve (differs from the requested one on ``downgrade``)."""
-        return self.decision.model
-
-    @property
-    def route_to(self) -> str | None:
-        """The pool to serve it on (set when the decision is ``route``)."""
-        return self.decision.route_to
-
-    def report(self, usage: UsageLike) -> None:
-        """Record the total usage so far (replaces what was reported before)."""
-        self.usage = _usage(usage)
-
-
-AsyncGeneration = Generation
-
-_FIELDS = ("requests", "input_tokens", "cached_input_tokens", "output_tokens", "gpu_ms")
-
-
-class Stream(Generation):
-    """A streaming generation: what is reserved so far, grown by extends as it is used.
-
-    Attributes:
-        reserved: the estimate admitted plus every extend granted.
-        step: the least an extend adds to a field that needs more.
-        refusal: the 429 body of the extend that was refused (``None`` while none was).
-    """
-
-    def __init__(self, decision: Decision, estimate: Usage, step: Usage) -> None:
-        super().__init__(decision)
-        self.reserved = estimate
-        self.step = step
-        self.refusal: dict[str, Any] | None = None
-        self.seq = 0
-
-    @property
-    def stopped(self) -> bool:
-        """Whether an extend was refused: the generation must stop."""
-        return self.refusal is not None
-
-    def _needed(self, usage: Usage) -> Usage | None:
-        """What to add so that ``usage`` is reserved (None: it already is)."""
-        add: dict[str, int] = {}
-        for name in _FIELDS:
-            need = getattr(usage, name) - getattr(self.reserved, name)
-            if need > 0:
-                add[name] = max(need, getattr(self.step, name))
-        return Usage(**add) if add else None
-
-    def _begin(self, usage: UsageLike) -> Usage | bool:
-        """Record ``usage``; the extend it needs, or the answer when it needs none."""
-        self.usage = _usage(usage)
-        if self.stopped:
-            return False
-        add = self._needed(self.usage)
-        return True if add is None else add
-
-    def _body(self, add: Usage) -> dict[str, Any]:
-        self.seq += 1
-        return {
-            "reservation_id": self.reservation_id,
-            "seq": self.seq,
-            "add": add.model_dump(exclude_none=True, exclude_defaults=True),
-        }
-
-    def _answered(self, add: Usage, response: httpx.Response) -> bool:
-        if response.status_code == 429:
-            self.refusal = response.json()
-            return False
-        grown = {n: getattr(self.reserved, n) + getattr(add, n) for n in _FIELDS}
-        self.reserved = Usage(**grown)
-        return True
-
-
-class AsyncStream(Stream):
-    """:class:`Stream` for :meth:`AsyncAdmissionClient.stream` (``await s.report(...)``)."""
-
-    def __init__(
-        self, decision: Decision, estimate: Usage, step: Usage, client: AsyncAdmissionClient
-    ) -> None:
-        super().__init__(decision, estimate, step)
-        self._client = client
-
-    async def report(self, usage: UsageLike) -> bool:  # type: ignore[override]
-        """As :meth:`SyncStream.report`."""
-        add = self._begin(usage)
-        if isinstance(add, bool):
-            return add
-        response = await self._client._post("/v1/extend", self._body(add), refusal_ok=True)
-        return self._answered(add, response)
-
-
-def _used(usage: Usage | None) -> bool:
-    return usage is not None and usage != Usage()
-
-
-class AdmissionClient(_Base):
+class AdmissionClient(RetryingClient):
     """Blocking client (httpx)."""
 
     def __init__(
@@ -278,7 +106,7 @@ class AdmissionClient(_Base):
     ) -> None:
         super().__init__(token, retries, backoff_s, max_backoff_s)
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
-        self._admit_timeout = _admit_timeout(timeout_s)
+        self._admit_timeout = admit_timeout(timeout_s)
 
     def close(self) -> None:
         """Close the connections."""
@@ -310,10 +138,10 @@ class AdmissionClient(_Base):
             except httpx.TransportError as exc:
                 last = exc
                 continue
-            if _retriable(response):
-                last, failed = _server_error(response), response
+            if retriable(response):
+                last, failed = server_error(response), response
                 continue
-            _raise_for(response, refusal_ok)
+            raise_for(response, refusal_ok)
             return response
         raise AdmissionUnavailable(f"{path} failed after {self.retries + 1} tries: {last}")
 
@@ -329,8 +157,8 @@ class AdmissionClient(_Base):
         """
         body = {
             "request_id": request_id or uuid.uuid4().hex,
-            "subject": _subject(subject).model_dump(exclude_none=True),
-            "estimate": _usage(estimate).model_dump(exclude_none=True),
+            "subject": as_subject(subject).model_dump(exclude_none=True),
+            "estimate": as_usage(estimate).model_dump(exclude_none=True),
         }
         # A delay policy may hold the answer up to its max_delay: read that long.
         answer = self._post("/v1/admit", body, read=self._admit_timeout)
@@ -342,7 +170,7 @@ class AdmissionClient(_Base):
             "/v1/commit",
             {
                 "reservation_id": reservation_id,
-                "usage": _usage(usage).model_dump(exclude_none=True),
+                "usage": as_usage(usage).model_dump(exclude_none=True),
             },
         )
 
@@ -378,8 +206,8 @@ class AdmissionClient(_Base):
         Raises:
             BudgetExceeded: the first slice was refused (429).
         """
-        first = _usage(estimate)
-        s = SyncStream(self.admit(subject, first, request_id), first, _usage(step or first), self)
+        first = as_usage(estimate)
+        s = SyncStream(self.admit(subject, first, request_id), first, as_usage(step or first), self)
         try:
             yield s
         except BaseException:
@@ -388,7 +216,7 @@ class AdmissionClient(_Base):
         self._settle(s)
 
     def _settle(self, gen: Generation) -> None:
-        if _used(gen.usage):
+        if used(gen.usage):
             assert gen.usage is not None
             self.commit(gen.reservation_id, gen.usage)
         else:
@@ -401,7 +229,7 @@ class AdmissionClient(_Base):
             logger.exception("settling reservation %s failed", gen.reservation_id)
 
 
-class AsyncAdmissionClient(_Base):
+class AsyncAdmissionClient(RetryingClient):
     """Asyncio client (httpx)."""
 
     def __init__(
@@ -417,7 +245,7 @@ class AsyncAdmissionClient(_Base):
     ) -> None:
         super().__init__(token, retries, backoff_s, max_backoff_s)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=transport)
-        self._admit_timeout = _admit_timeout(timeout_s)
+        self._admit_timeout = admit_timeout(timeout_s)
 
     async def aclose(self) -> None:
         """Close the connections."""
@@ -449,10 +277,10 @@ class AsyncAdmissionClient(_Base):
             except httpx.TransportError as exc:
                 last = exc
                 continue
-            if _retriable(response):
-                last, failed = _server_error(response), response
+            if retriable(response):
+                last, failed = server_error(response), response
                 continue
-            _raise_for(response, refusal_ok)
+            raise_for(response, refusal_ok)
             return response
         raise AdmissionUnavailable(f"{path} failed after {self.retries + 1} tries: {last}")
 
@@ -462,8 +290,8 @@ class AsyncAdmissionClient(_Base):
         """As :meth:`AdmissionClient.admit`."""
         body = {
             "request_id": request_id or uuid.uuid4().hex,
-            "subject": _subject(subject).model_dump(exclude_none=True),
-            "estimate": _usage(estimate).model_dump(exclude_none=True),
+            "subject": as_subject(subject).model_dump(exclude_none=True),
+            "estimate": as_usage(estimate).model_dump(exclude_none=True),
         }
         # A delay policy may hold the answer up to its max_delay: read that long.
         answer = await self._post("/v1/admit", body, read=self._admit_timeout)
@@ -475,7 +303,7 @@ class AsyncAdmissionClient(_Base):
             "/v1/commit",
             {
                 "reservation_id": reservation_id,
-                "usage": _usage(usage).model_dump(exclude_none=True),
+                "usage": as_usage(usage).model_dump(exclude_none=True),
             },
         )
 
@@ -506,9 +334,9 @@ class AsyncAdmissionClient(_Base):
         request_id: str | None = None,
     ) -> AsyncIterator[AsyncStream]:
         """As :meth:`AdmissionClient.stream`; a cancellation commits the partial usage."""
-        first = _usage(estimate)
+        first = as_usage(estimate)
         decision = await self.admit(subject, first, request_id)
-        s = AsyncStream(decision, first, _usage(step or first), self)
+        s = AsyncStream(decision, first, as_usage(step or first), self)
         try:
             yield s
         except BaseException:
@@ -517,7 +345,7 @@ class AsyncAdmissionClient(_Base):
         await self._settle(s)
 
     async def _settle(self, gen: Generation) -> None:
-        if _used(gen.usage):
+        if used(gen.usage):
             assert gen.usage is not None
             await self.commit(gen.reservation_id, gen.usage)
         else:
@@ -528,25 +356,3 @@ class AsyncAdmissionClient(_Base):
             await self._settle(gen)
         except Exception:  # never hide the caller's own exception
             logger.exception("settling reservation %s failed", gen.reservation_id)
-
-
-class SyncStream(Stream):
-    """:class:`Stream` for :meth:`AdmissionClient.stream`."""
-
-    def __init__(
-        self, decision: Decision, estimate: Usage, step: Usage, client: AdmissionClient
-    ) -> None:
-        super().__init__(decision, estimate, step)
-        self._client = client
-
-    def report(self, usage: UsageLike) -> bool:  # type: ignore[override]
-        """Record the usage so far; extend when it passes what is reserved.
-
-        Returns:
-            False once an extend was refused (stop the generation), else True.
-        """
-        add = self._begin(usage)
-        if isinstance(add, bool):
-            return add
-        response = self._client._post("/v1/extend", self._body(add), refusal_ok=True)
-        return self._answered(add, response)
