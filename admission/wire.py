@@ -16,6 +16,7 @@ from spendgate.admission.exceptions import (
 
 __all__ = [
     "BodyGuard",
+    "encode_json",
     "error_content",
     "error_headers",
     "error_of",
@@ -25,7 +26,8 @@ __all__ = [
     "send_json",
 ]
 
-_encode = msgspec.json.Encoder().encode
+#: JSON bytes of an answer's content (compact, UTF-8), for both entrances of the admit path.
+encode_json = msgspec.json.Encoder().encode
 
 
 def error_content(
@@ -62,7 +64,7 @@ async def send_json(
     send: Send, status: int, content: Any, headers: dict[str, str] | None = None
 ) -> None:
     """Answer with ``content`` as JSON, in two ASGI messages and one encode."""
-    body = _encode(content)
+    body = encode_json(content)
     raw = [
         (b"content-length", str(len(body)).encode()),
         (b"content-type", b"application/json"),
