@@ -10,6 +10,9 @@ latency, for requests a 1-budget ``reject`` policy admits and for requests it re
 (its window already over the limit). Each round is judged on its own; the report gives
 every round's ratio and their median.
 
+Each server runs its own checkout's code: ``spendgate`` first on its ``sys.path`` through a
+tree of links (``bench._common.namespace_tree``), checked before measuring (an editable
+install maps ``spendgate.admission`` to one checkout, whatever the working directory).
 The other checkout needs this ``bench/admission.py`` (for ``--prepare``): copy it in when
 it predates it. Run: ``.venv/bin/python -m bench.admission_ab --against ../old-checkout``.
 """
@@ -60,13 +63,35 @@ class Side:
         }
 
     def git(self) -> str:
-        out = subprocess.run(
-            ["git", "-C", str(self.root), "log", "-1", "--format=%h %s"],
+        def git(*argv: str) -> str:
+            done = subprocess.run(
+                ["git", "-C", str(self.root), *argv], capture_output=True, text=True, check=False
+            )
+            return done.stdout.strip()
+
+        dirty = len(git("status", "--porcelain", "--untracked-files=no").splitlines())
+        return git("log", "-1", "--format=%h %s")[:70] + (
+            f" + {dirty} uncommitted file(s)" if dirty else ""
+        )
+
+    def own_code(self, tmp: Path) -> tuple[dict[str, str], Path]:
+        """The environment and working directory that run this checkout's ``spendgate``
+        (checked: the admission app it imports is this checkout's file)."""
+        links = c.namespace_tree(self.root, tmp / "code" / self.name)
+        env = {**self.env(), "PYTHONPATH": str(links)}
+        probe = "import os, spendgate.admission.app as a; print(os.path.realpath(a.__file__))"
+        done = subprocess.run(
+            [self.python, "-c", probe],
+            cwd=links,
+            env={**os.environ, **env},
             capture_output=True,
             text=True,
-            check=False,
+            check=True,
         )
-        return out.stdout.strip()[:70]
+        imported = done.stdout.strip()
+        if not imported.startswith(str(self.root.resolve()) + os.sep):
+            raise SystemExit(f"the {self.name} server would import {imported}, not {self.root}")
+        return env, links
 
 
 async def _round(
@@ -166,12 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         with contextlib.ExitStack() as stack:
             for s in sides:
+                env, cwd = s.own_code(tmp)
                 s.proc = stack.enter_context(
                     c.process(
                         [s.python, "-m", "spendgate", "admission"],
-                        s.env(),
+                        env,
                         tmp / f"{s.name}.log",
-                        cwd=s.root,
+                        cwd=cwd,
                     )
                 )
             for s in sides:
