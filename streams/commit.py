@@ -1,0 +1,230 @@
+"""One batch's commit in numbered steps: fold, table writes, changelog, Redis with marks, offsets.
+
+:class:`BatchCommit` runs the steps in the order that keeps the worker's guarantees
+(exactly-once effects through a crash, marks never ahead of the windows they vouch for)
+over the :class:`StateTable`, :class:`RedisWriter`, :class:`MarkKeeper`, :class:`Outbox`
+and :class:`OffsetCommitter` it is given: faust's table, the Redis materializer and faust's
+topics and stream in the worker (``streams.faust_io``), in-memory stand-ins in its tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from spendgate.schemas.alerts import Alert
+from spendgate.streams.effects import FoldResult, KeyWrite, Refusal
+from spendgate.streams.remote import RemoteBatch
+from spendgate.streams.scripts.mark import MarkReply, MarkWrite
+
+__all__ = [
+    "BatchCommit",
+    "Folded",
+    "Last",
+    "MarkKeeper",
+    "OffsetCommitter",
+    "Outbox",
+    "PartitionFold",
+    "RedisWriter",
+    "StateTable",
+    "by_partition",
+]
+
+
+class Last(NamedTuple):
+    """The last record a batch applied of one partition: where, and its broker ms."""
+
+    topic: str
+    partition: int
+    offset: int
+    broker_ms: int
+
+
+class Folded(NamedTuple):
+    """One partition's part of a batch: its fold and its last record."""
+
+    partition: int
+    events: Sequence[Any]
+    result: FoldResult
+    last: Last
+
+
+#: Folds one partition's events of a batch (reading back records the stream skipped first).
+PartitionFold = Callable[[int, Sequence[Any]], Awaitable[tuple[FoldResult, Last]]]
+
+
+class StateTable(Protocol):
+    """The key-state table (faust's, changelogged)."""
+
+    def write(self, events: Sequence[Any], writes: Sequence[KeyWrite]) -> None:
+        """Write the changed keys of one partition's fold; ``events`` are that partition's
+        (a table write goes to the changelog partition of its event), no await inside."""
+
+    def forget(self) -> None:
+        """Drop every cached state: a batch failed half-way, read the table again."""
+
+
+class RedisWriter(Protocol):
+    """Redis as the fold mirrors it (``streams.materialize.RedisMaterializer``)."""
+
+    async def write_batch(
+        self, writes: Sequence[KeyWrite], marks: Sequence[MarkWrite] = (), presence: str = ""
+    ) -> MarkReply | None:
+        """The batch's windows, then its marks, in one pipeline."""
+
+    async def write_marks(self, marks: Sequence[MarkWrite], presence: str) -> MarkReply:
+        """Marks alone (fenced)."""
+
+
+class MarkKeeper(Protocol):
+    """The marks bookkeeping (``streams.keeper.RedisKeeper``)."""
+
+    @property
+    def presence(self) -> str:
+        """This worker's presence key, written with every mark."""
+
+    def advance(self, lasts: Iterable[Last]) -> list[MarkWrite]:
+        """The marks a batch that applied up to ``lasts`` advances."""
+
+    def noted(self, reply: MarkReply | None) -> None:
+        """Act on the mark script's reply (a loss of Redis data, fenced writes)."""
+
+
+class Outbox(Protocol):
+    """What a batch sends on; each call returns the broker's ack to await."""
+
+    async def keyed(self, batch: RemoteBatch) -> Awaitable[Any]:
+        """A keyed batch (keys spanning tenants)."""
+
+    async def dead_letter(self, refusal: Refusal) -> Awaitable[Any]:
+        """A refused record."""
+
+    async def alert(self, alert: Alert) -> Awaitable[Any]:
+        """An alert."""
+
+
+class OffsetCommitter(Protocol):
+    """The source offsets (faust's stream acks)."""
+
+    async def commit(self, events: Sequence[Any]) -> None:
+        """Mark ``events`` processed. faust flushes its producer (the changelog) before it
+        commits an acked offset to the group."""
+
+
+class BatchCommit:
+    """Commits one batch of one topic's events, partition by partition, in numbered steps.
+
+    1. **fold** each partition's records (``fold``: read back what the stream skipped,
+       rebuild dedupe ids, fold);
+    2. **table writes**: that partition's changed keys, at once after its fold (the
+       table's cached states as new as the table; the keys marked in flight to Redis);
+    3. **changelog**: each table write queued its changelog record on the producer; faust
+       flushes the producer before it commits an offset (step 6), so the changelog is
+       never behind the offsets. Nothing is awaited here: a crash before step 6 folds the
+       batch again from the table, and its redeliveries change nothing;
+    4. **Redis with marks**: one pipeline for the whole batch: windows, absorbed
+       reservations, overage marks, then the marks the batch advanced, unless it sent keyed
+       batches (a usage mark vouches for those only once the broker has them);
+    5. **sends**: keyed batches, dead letters and alerts (alerts only once the state is in
+       the table and in Redis), every broker ack awaited; then the marks held back in 4;
+    6. **offsets**: the batch counted and its positions noted (``done``), then every event
+       acked.
+
+    Any failure before 6 leaves the offsets uncommitted, drops the cached states and
+    raises: the records come again and redeliveries change nothing.
+
+    Args:
+        fold: folds one partition's events.
+        table: the key-state table.
+        redis: Redis (windows and marks).
+        marks: the marks bookkeeping.
+        outbox: what the batch sends on.
+        offsets: the source offsets.
+        in_flight: keys whose table value is newer than Redis until step 4 (shared with
+            the drift check: not drift).
+        done: called with the batch's partitions once it is written and sent.
+    """
+
+    def __init__(
+        self,
+        fold: PartitionFold,
+        table: StateTable,
+        redis: RedisWriter,
+        marks: MarkKeeper,
+        outbox: Outbox,
+        offsets: OffsetCommitter,
+        *,
+        in_flight: set[str] | None = None,
+        done: Callable[[Sequence[Folded]], None] | None = None,
+    ) -> None:
+        self.fold = fold
+        self.table = table
+        self.redis = redis
+        self.marks = marks
+        self.outbox = outbox
+        self.offsets = offsets
+        self.in_flight = in_flight if in_flight is not None else set()
+        self.done = done
+
+    async def run(self, events: Sequence[Any]) -> list[Folded]:
+        """Commit ``events`` (faust events of one topic, any partitions) in steps 1-6.
+
+        Returns:
+            Each partition's part of the batch, in order of first appearance.
+        """
+        touched: set[str] = set()
+        try:
+            parts = []
+            for partition, group in by_partition(events).items():
+                # 1. fold
+                result, last = await self.fold(partition, group)
+                # 2. table writes (no await until the keys are marked in flight)
+                self.table.write(group, result.writes)
+                keys = {w.key for w in result.writes}
+                self.in_flight.update(keys)
+                touched |= keys
+                # 3. changelog: queued by step 2; flushed by faust before step 6's commit.
+                parts.append(Folded(partition, group, result, last))
+            await self._redis_and_sends(parts, touched)
+            if self.done is not None:
+                self.done(parts)
+        except BaseException:
+            self.table.forget()
+            self.in_flight.difference_update(touched)
+            raise
+        # 6. offsets
+        await self.offsets.commit(events)
+        return parts
+
+    async def _redis_and_sends(self, parts: Sequence[Folded], touched: set[str]) -> None:
+        """Steps 4 and 5."""
+        results = [part.result for part in parts]
+        lasts = [part.last for part in parts]
+        due = [w for result in results for w in result.writes if w.redis_due]
+        later = any(result.remote for result in results)
+        # 4. Redis with marks
+        try:
+            marks = [] if later else self.marks.advance(lasts)
+            self.marks.noted(await self.redis.write_batch(due, marks, self.marks.presence))
+        finally:
+            self.in_flight.difference_update(touched)
+        # 5. sends, acked by the broker before the batch's records are: nothing is lost
+        sent: list[Awaitable[Any]] = []
+        for result in results:
+            sent += [await self.outbox.keyed(b) for b in result.remote]
+            sent += [await self.outbox.dead_letter(r) for r in result.refusals]
+            sent += [await self.outbox.alert(a) for a in result.alerts]
+        await asyncio.gather(*sent)
+        if later:
+            self.marks.noted(
+                await self.redis.write_marks(self.marks.advance(lasts), self.marks.presence)
+            )
+
+
+def by_partition(events: Sequence[Any]) -> dict[int, list[Any]]:
+    """``events`` grouped by partition, each group in arrival (offset) order."""
+    out: dict[int, list[Any]] = {}
+    for event in events:
+        out.setdefault(event.message.partition, []).append(event)
+    return out
