@@ -11,15 +11,24 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from spendgate.admission.answers import Answer, decision_body, make_answer, seconds
+from spendgate.admission.plans import Charge
 from spendgate.schemas.events import Subject
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.types import FailureMode
 
-__all__ = ["STRICTNESS", "DegradedLedger", "LocalReservation", "strictest"]
+__all__ = [
+    "STRICTNESS",
+    "DegradedLedger",
+    "FallbackAnswer",
+    "LocalReservation",
+    "fallback_answer",
+    "strictest",
+]
 
 #: closed > degraded > open: the strictest failure mode among the matching policies wins.
 STRICTNESS: dict[FailureMode, int] = {"open": 0, "degraded": 1, "closed": 2}
@@ -104,3 +113,88 @@ class DegradedLedger:
             return
         # Drop the counters of windows that have ended.
         self._spent = {slot: v for slot, v in self._spent.items() if slot[2] >= now_ms // slot[1]}
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackAnswer:
+    """What to do without Redis's decision.
+
+    ``mode`` ``closed``: refuse (``closed`` names the policies); otherwise ``answer`` is
+    the answer, and when it admits, ``ttl_ms`` is the reservation's TTL (the caller makes
+    the reservation id, remembers it and publishes its reserve event).
+    """
+
+    mode: Literal["closed", "degraded", "open"]
+    closed: tuple[str, ...] = ()
+    answer: Answer | None = None
+    admitted: bool = False
+    ttl_ms: int = 0
+
+
+def fallback_answer(
+    ledger: DegradedLedger,
+    charges: Sequence[Charge],
+    model: str | None,
+    now_ms: int,
+    reservation_id: str,
+    default_ttl_ms: int,
+) -> FallbackAnswer:
+    """Decide without Redis, by the strictest failure mode of ``charges``' policies.
+
+    ``degraded`` keys charge this process's own allowance in ``ledger`` (all or none).
+
+    Args:
+        ledger: this process's counters while Redis cannot decide.
+        charges: the keys concerned (a plan's, or only those Redis cannot vouch for).
+        model: the subject's model (as sent).
+        now_ms: this process's clock.
+        reservation_id: the id an admitted reservation gets.
+        default_ttl_ms: the TTL when no policy gives one.
+    """
+    policies = [c.target.policy for c in charges]
+    mode = strictest(policies)
+    if mode == "closed":
+        closed = tuple(p.id for p in policies if p.mode == "enforce" and p.failure == "closed")
+        return FallbackAnswer("closed", closed)
+    budgets: list[dict[str, Any]] = []
+    extra: dict[str, str] = {"Spendgate-Fallback": mode}
+    if mode == "degraded":
+        held = [
+            c
+            for c in charges
+            if c.target.policy.mode == "enforce" and c.target.policy.failure == "degraded"
+        ]
+        over = ledger.try_charge([(c.target.policy, c.target.key, c.amount) for c in held], now_ms)
+        for c in held:
+            p = c.target.policy
+            allowance = ledger.allowance(p)
+            spent = ledger.spent(p, c.target.key, now_ms)
+            budgets.append(
+                {
+                    "policy": p.id,
+                    "key": c.target.key,
+                    "unit": p.unit,
+                    "limit": max(1, allowance),
+                    "used": 0,
+                    "reserved": spent,
+                    "remaining": max(0, allowance - spent),
+                    "window_seconds": p.window_ms // 1000,
+                    "reset_after_seconds": seconds(ledger.window_left_ms(p, now_ms)),
+                }
+            )
+        if over:
+            refusing = [held[i].target.policy for i in over]
+            wait = max(ledger.window_left_ms(p, now_ms) for p in refusing)
+            never = any(held[i].amount > ledger.allowance(held[i].target.policy) for i in over)
+            body = decision_body(
+                "reject",
+                violated=[p.id for p in refusing],
+                retry_after_seconds=None if never else max(1, seconds(wait)),
+                never_fits=never,
+                budgets=budgets,
+                model=model,
+            )
+            return FallbackAnswer(mode, answer=make_answer(body, 429, extra))
+    ttl_ms = max((p.reservation_ttl_ms for p in policies), default=default_ttl_ms)
+    body = decision_body("allow", reservation_id=reservation_id, model=model, budgets=budgets)
+    return FallbackAnswer(mode, answer=make_answer(body, 200, extra), admitted=True, ttl_ms=ttl_ms)

@@ -6,6 +6,7 @@ Records in (already merged by time), a report out; no Kafka, no Redis, no clock.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -14,14 +15,16 @@ from typing import Any
 import orjson
 
 from spendgate.admission.decide import Charge, Plan, Planner
-from spendgate.schemas.burst import BurstState, check, level_at, take
+from spendgate.admission.twin import KeyReading, key_input, plan_inputs
+from spendgate.schemas.burst import BurstState
+from spendgate.schemas.decision import DecisionResult, PlanInput, decide
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.exceptions import SpendgateError
 from spendgate.schemas.fastdecode import decode
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
 from spendgate.schemas.refusals import RefusalGap
-from spendgate.schemas.windows import WindowSpec, retry_after, total
+from spendgate.schemas.windows import WindowSpec, total
 from spendgate.simulate_report import KeyReport, PolicyReport, Report, iso_ms, track
 from spendgate.streams.dedupe import IdStore
 from spendgate.streams.fold import Rules, UsageRecord, fold_usage
@@ -59,11 +62,16 @@ class Verdict:
     replaced: tuple[str, str] | None = None
 
 
-def _amount_at(charge: Charge, output: int | None, asked: int) -> int:
-    cap = charge.cap
-    if output is None or cap.r == 0:
-        return asked
-    return -((-(cap.s + output * cap.r)) // cap.d)
+def _verdict(plan: Plan, result: DecisionResult) -> Verdict:
+    """A twin's decision on ``plan`` (the reported one) as a verdict."""
+    if not result.admitted:
+        refusing = {
+            c.target.policy.id
+            for c, k in zip(plan.charges, result.keys, strict=True)
+            if k.violated and c.target.policy.mode == "enforce"
+        }
+        return Verdict(True, tuple(sorted(refusing)))
+    return Verdict(False, (), result.max_output_tokens, tuple(k.own for k in result.keys))
 
 
 def judge(
@@ -72,7 +80,8 @@ def judge(
     estimate_output: int,
     tokens: Sequence[int | None] | None = None,
 ) -> Verdict:
-    """Judge one request as the admit script does, all matching policies at once.
+    """Judge one request as the admit script does (``schemas.decision``), all matching
+    policies at once, from each key's window total alone (no alternatives, no Retry-After).
 
     Args:
         charges: the request's keys and amounts (``admission.decide.Planner.charges``).
@@ -81,36 +90,16 @@ def judge(
         tokens: per key with a ``burst``, the whole tokens in its bucket now (a second
             quota beside the window); None for the others.
     """
-    amounts = [c.amount for c in charges]
-    room = [c.target.policy.limit - totals[i] for i, c in enumerate(charges)]
-    if tokens is not None:
-        for i, left in enumerate(tokens):
-            if left is not None:
-                room[i] = min(room[i], left)
-    over = [
-        i
-        for i, c in enumerate(charges)
-        if c.target.policy.mode == "enforce" and amounts[i] > room[i]
-    ]
-    if not over:
-        return Verdict(False, (), None, tuple(amounts))
-    refusing = tuple(sorted({charges[i].target.policy.id for i in over}))
-    if any(charges[i].target.policy.on_exceed != "cap" or charges[i].cap.r == 0 for i in over):
-        return Verdict(True, refusing)
-    # The largest output every capped key (and every other enforced key) still fits.
-    output = estimate_output
+    keys = []
     for i, c in enumerate(charges):
-        if c.target.policy.mode != "enforce" or c.cap.r == 0:
-            continue
-        output = min(output, (room[i] * c.cap.d - c.cap.s) // c.cap.r)
-    if output < 0:
-        return Verdict(True, refusing)
-    capped = [_amount_at(c, output, amounts[i]) for i, c in enumerate(charges)]
-    if any(
-        c.target.policy.mode == "enforce" and capped[i] > room[i] for i, c in enumerate(charges)
-    ):
-        return Verdict(True, refusing)
-    return Verdict(False, (), output, tuple(capped))
+        left = tokens[i] if tokens is not None else None
+        spec = c.target.policy.burst.spec() if c.target.policy.burst is not None else None
+        bucket = BurstState(left * spec.per_ms, 0) if left is not None and spec else None
+        # The total as one bucket at instant 0, where it counts in full.
+        reading = KeyReading(absorbed={0: totals[i]} if totals[i] else {}, bucket=bucket)
+        keys.append(key_input(c, reading, alternatives=False))
+    plan = Plan(Subject(tenant="-"), tuple(charges))
+    return _verdict(plan, decide([PlanInput(tuple(keys))], 0, estimate_output))
 
 
 class Merged:
@@ -327,14 +316,31 @@ class Simulation:
         if not charges:
             report.unmatched += 1
             return None
-        totals = self._totals(charges, at_ms)
-        first = verdict = judge(charges, totals, usage.output_tokens, self._tokens(charges, at_ms))
+        result = self._decide(plans, usage, at_ms)
+        first = verdict = self._verdict_of(plans, result)
+        if result.plan > 0:
+            # Admitted by an alternative: which keys of the plan asked refused it.
+            asked = self._decide(plans[:1], usage, at_ms, read_only=True)
+            first = _verdict(plans[0], dataclasses.replace(asked, outcome="reject"))
         if verdict.refused:
-            verdict = self._delayed(charges, verdict, usage, at_ms) or self._alternative(
-                plans, verdict, usage, at_ms
-            )
+            delayed = self._delayed(plans, result, usage, at_ms)
+            if delayed is not None:
+                result, verdict = delayed
         if not verdict.refused:
-            self._take(plans, verdict, at_ms)
+            self._take(plans[result.plan], result)
+        self._count(charges, self._totals(charges, at_ms), first, verdict, at_ms)
+        return verdict
+
+    def _count(
+        self,
+        charges: Sequence[Charge],
+        totals: Sequence[int],
+        first: Verdict,
+        verdict: Verdict,
+        at_ms: int,
+    ) -> None:
+        """The report's figures of one judged request (on the keys of the plan asked)."""
+        report = self.report
         at = datetime.fromtimestamp(at_ms / 1000, UTC)
         if first.refused and not verdict.refused:
             for pid in first.violated:
@@ -360,37 +366,46 @@ class Simulation:
             if refused_here:
                 pr.refuse(at, c.amount)
                 kr.refuse(at, c.amount)
-            elif verdict.max_output_tokens is not None and verdict.amounts[i] < c.amount:
+            elif (
+                held_here
+                and verdict.max_output_tokens is not None
+                and verdict.amounts[i] < c.amount
+            ):
                 pr.capped += 1
                 kr.capped += 1
-        return verdict
 
-    def _tokens(self, charges: Sequence[Charge], at_ms: int) -> list[int | None] | None:
-        """Whole tokens in each key's bucket at ``at_ms`` (None: no ``burst``)."""
-        out: list[int | None] = []
-        for c in charges:
-            burst = c.target.policy.burst
-            if burst is None:
-                out.append(None)
-                continue
-            spec = burst.spec()
-            out.append(level_at(spec, self.bursts.get(c.target.key), at_ms) // spec.per_ms)
-        return out if any(t is not None for t in out) else None
+    def _reading(self, charge: Charge) -> KeyReading:
+        """A key as the draft holds it: every record fed so far folded in (reservations
+        included: nothing is pending), vouched for, its token bucket."""
+        state = self._state(charge.target.key)
+        return KeyReading(
+            absorbed=state.buckets if state is not None else {},
+            bucket=self.bursts.get(charge.target.key),
+        )
 
-    def _take(self, plans: Sequence[Plan], verdict: Verdict, at_ms: int) -> None:
+    def _decide(
+        self, plans: Sequence[Plan], usage: Usage, at_ms: int, *, read_only: bool = False
+    ) -> DecisionResult:
+        """The admit script's decision at ``at_ms``, by its twin."""
+        return decide(
+            plan_inputs(plans, self._reading), at_ms, usage.output_tokens, read_only=read_only
+        )
+
+    @staticmethod
+    def _verdict_of(plans: Sequence[Plan], result: DecisionResult) -> Verdict:
+        verdict = _verdict(plans[result.plan], result)
+        if result.plan == 0 or verdict.refused:
+            return verdict
+        plan = plans[result.plan]
+        name = "model" if plan.kind == "downgrade" else "pool"
+        replaced = (name, plan.subject.value(name) or "")
+        return dataclasses.replace(verdict, replaced=replaced)
+
+    def _take(self, plan: Plan, result: DecisionResult) -> None:
         """An admitted request takes its amounts from the buckets of the plan admitted."""
-        plan = plans[0]
-        if verdict.replaced is not None:
-            name, value = verdict.replaced
-            plan = next((p for p in plans[1:] if p.subject.value(name) == value), plan)
-        at = verdict.admitted_ms if verdict.admitted_ms is not None else at_ms
-        for c, amount in zip(plan.charges, verdict.amounts, strict=False):
-            burst = c.target.policy.burst
-            if burst is None:
-                continue
-            spec = burst.spec()
-            level = level_at(spec, self.bursts.get(c.target.key), at)
-            self.bursts[c.target.key] = take(spec, level, at, amount)
+        for c, key in zip(plan.charges, result.keys, strict=True):
+            if key.bucket_after is not None:
+                self.bursts[c.target.key] = key.bucket_after
 
     def _totals(self, charges: Sequence[Charge], at_ms: int) -> list[int]:
         out = []
@@ -401,64 +416,31 @@ class Simulation:
         return out
 
     def _delayed(
-        self, charges: Sequence[Charge], refused: Verdict, usage: Usage, at_ms: int
-    ) -> Verdict | None:
-        """``delay``: refused only by delay policies, and every one of them fits within
-        the smallest ``max_delay`` among them (assuming no new usage, as admission's
-        exact Retry-After does): judged again at that instant."""
-        violating = [c for c in charges if c.target.policy.id in refused.violated]
-        policies = [c.target.policy for c in violating]
-        if any(p.on_exceed != "delay" or p.mode != "enforce" for p in policies):
+        self, plans: Sequence[Plan], refused: DecisionResult, usage: Usage, at_ms: int
+    ) -> tuple[DecisionResult, Verdict] | None:
+        """``delay``: refused only by delay policies, and the request fits (the twin's
+        Retry-After, assuming no new usage, as admission's exact one) within the smallest
+        ``max_delay`` among them: decided again at that instant, as ``admission.delay``
+        holds it and asks the script again."""
+        plan = plans[0]
+        if refused.plan != 0 or refused.retry_after_ms is None or refused.never_fits:
             return None
-        wait_ms = min(p.max_delay_ms for p in policies)
-        fits = []
-        for c in violating:
-            state = self._state(c.target.key)
-            buckets = state.buckets if state is not None else {}
-            spec = self.specs[c.target.policy.id]
-            found = retry_after(spec, buckets, at_ms, limit=c.target.policy.limit, amount=c.amount)
-            if found.fits_at_ms is None:
+        allowed: int | None = None
+        for c, key in zip(plan.charges, refused.keys, strict=True):
+            p = c.target.policy
+            if not key.violated or p.mode != "enforce":
+                continue
+            if p.on_exceed != "delay":
                 return None
-            fits.append(found.fits_at_ms)
-            burst = c.target.policy.burst
-            if burst is not None:
-                tokens = check(burst.spec(), self.bursts.get(c.target.key), at_ms, c.amount)
-                if tokens.never_fits:
-                    return None
-                fits.append(at_ms + tokens.wait_ms)
-        then = max(fits)
-        if then - at_ms > wait_ms:
+            allowed = p.max_delay_ms if allowed is None else min(allowed, p.max_delay_ms)
+        if allowed is None or refused.retry_after_ms > allowed:
             return None
-        again = judge(
-            charges, self._totals(charges, then), usage.output_tokens, self._tokens(charges, then)
-        )
-        if again.refused:
+        then = at_ms + refused.retry_after_ms
+        again = self._decide(plans, usage, then)
+        verdict = self._verdict_of(plans, again)
+        if verdict.refused:
             return None
-        return Verdict(False, (), again.max_output_tokens, again.amounts, then)
-
-    def _alternative(
-        self, plans: Sequence[Plan], refused: Verdict, usage: Usage, at_ms: int
-    ) -> Verdict:
-        """``downgrade``/``route``: refused only by policies offering an alternative, the
-        alternatives are tried in order (never chained); the first that fits wins."""
-        violating = [c for c in plans[0].charges if c.target.policy.id in refused.violated]
-        if not violating or any(c.alt == 0 for c in violating):
-            return refused
-        for index in sorted({c.alt for c in violating}):
-            plan = plans[index]
-            again = judge(
-                plan.charges,
-                self._totals(plan.charges, at_ms),
-                usage.output_tokens,
-                self._tokens(plan.charges, at_ms),
-            )
-            if not again.refused:
-                name = "model" if plan.kind == "downgrade" else "pool"
-                value = plan.subject.value(name) or ""
-                return Verdict(
-                    False, (), again.max_output_tokens, again.amounts, None, (name, value)
-                )
-        return refused
+        return again, dataclasses.replace(verdict, admitted_ms=then)
 
 
 def _subject(subject: object) -> Subject:
