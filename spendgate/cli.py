@@ -14,6 +14,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from spendgate._cli_output import (
+    budget_table,
+    console,
+    print_decidability,
+    print_simulation,
+    print_worker_readiness,
+    say,
+)
 from spendgate.schemas.exceptions import SpendgateError
 
 # Help and usage errors go through click's plain formatter (rich_markup_mode=None): it shows
@@ -34,14 +42,6 @@ app.add_typer(policy, name="policy")
 alerts = typer.Typer(help="Read budget alerts.", **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(schema, name="schema")
 app.add_typer(alerts, name="alerts")
-console = Console(stderr=True)
-
-
-def say(label: str, style: str, text: str, *, out: Console | None = None) -> None:
-    """Print ``label`` in ``style`` then ``text`` verbatim: never parsed as markup, never cut."""
-    (out or console).print(
-        Text.assemble((label, style), " ", text), soft_wrap=True, highlight=False
-    )
 
 
 def _configure_logging(json_logs: bool, level: str = "INFO") -> None:
@@ -101,75 +101,8 @@ def dev_status() -> None:
         table.add_row(name, state, str(s.pid or "-"), str(s.port), str(s.log))
     out = Console()
     out.print(table)
-    _print_decidability(out)
-    _print_worker_readiness(out)
-
-
-_STATE_STYLE = {"vouched": "green", "stale": "yellow", "missing": "red"}
-
-
-def _print_decidability(out: Console) -> None:
-    """The partition marks of the default settings' Redis prefix, as admission sees them."""
-    import redis
-
-    from spendgate.admission.settings import AdmissionSettings
-    from spendgate.admission.status import read_status_sync
-
-    settings = AdmissionSettings()
-    client = redis.Redis.from_url(
-        settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
-    )
-    try:
-        status = read_status_sync(client, settings.redis_prefix, int(settings.staleness_s * 1000))
-    except redis.RedisError as exc:
-        say("decidable:", "yellow", f"unknown (Redis at {settings.redis_url}: {exc})", out=out)
-        return
-    finally:
-        client.close()
-    where = f"prefix {settings.redis_prefix!r}, staleness bound {status.staleness_ms} ms"
-    if status.decidable:
-        say("decidable:", "green", f"yes ({where}, {status.policies} policies)", out=out)
-    else:
-        say("decidable:", "red", f"no ({where}): {status.reason}", out=out)
-    if not status.partitions:
-        return
-    marks = Table("mark", "state", "age ms", "behind", "lag age ms", "owner")
-    for p in status.partitions:
-        marks.add_row(
-            p.field,
-            Text(p.state, style=_STATE_STYLE[p.state]),
-            "-" if p.age_ms is None else str(p.age_ms),
-            "-" if p.lag is None else str(p.lag.records_behind),
-            "-" if p.lag is None else str(p.lag.age_ms),
-            "-" if p.owner_token is None else str(p.owner_token),
-        )
-    out.print(marks)
-
-
-def _print_worker_readiness(out: Console) -> None:
-    """The worker's /readyz on its metrics port (default settings), when it answers."""
-    import httpx
-
-    from spendgate.streams.settings import WorkerSettings
-
-    port = WorkerSettings().metrics_port
-    if not port:
-        say("worker:", "yellow", "metrics port off (SPENDGATE_METRICS_PORT=0)", out=out)
-        return
-    url = f"http://127.0.0.1:{port}/readyz"
-    try:
-        answer = httpx.get(url, timeout=1.0)
-        body = answer.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        say("worker:", "yellow", f"no answer at {url} ({type(exc).__name__})", out=out)
-        return
-    owned = body.get("partitions", []) if isinstance(body, dict) else []
-    detail = ", ".join(f"{p.get('field')} {p.get('state')}" for p in owned) or "no partitions"
-    if answer.status_code == 200:
-        say("worker:", "green", f"ready at {url}: {detail}", out=out)
-    else:
-        assigned = body.get("assigned") if isinstance(body, dict) else None
-        say("worker:", "red", f"not ready at {url} (assigned: {assigned}): {detail}", out=out)
+    print_decidability(out)
+    print_worker_readiness(out)
 
 
 @app.command("worker")
@@ -290,7 +223,7 @@ def simulate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     from spendgate.simulate import caveats, chart, dumps, run_simulation
-    from spendgate.streams.policy_admin import list_policies, load_policies
+    from spendgate.streams.policy_admin import load_policies
     from spendgate.streams.settings import WorkerSettings
 
     draft = load_policies(policies)
@@ -322,57 +255,7 @@ def simulate(
         typer.echo(dumps(report, top))
         return
     out = Console()
-    if compare:
-        live = {p.id: p for p in list_policies(settings)}
-        table = Table("policy", "in force", "draft")
-        for p in draft:
-            now = live.get(p.id)
-            table.add_row(
-                Text(p.id),
-                Text(f"{now.limit} {now.unit} / {now.window} ({now.on_exceed}, {now.mode})")
-                if now is not None
-                else Text("(none)"),
-                Text(f"{p.limit} {p.unit} / {p.window} ({p.on_exceed}, {p.mode})"),
-            )
-        out.print(table)
-    summary = Table(
-        "policy", "requests", "refused", "share", "first refusal", "last refusal",
-        "units refused", "capped", "peak", "over 80%",
-    )  # fmt: skip
-    for pr in report.policies.values():
-        j = pr.to_json(top)
-        summary.add_row(
-            Text(pr.policy.id), str(pr.requests), str(pr.refused),
-            f"{j['refused_share']:.1%}", str(j["first_refusal"] or "-"),
-            str(j["last_refusal"] or "-"), str(pr.refused_units), str(pr.capped),
-            f"{j['peak_utilization']:.0%}", f"{j['seconds_over_80pct']:.0f} s",
-        )  # fmt: skip
-    out.print(summary)
-    keys = Table("policy", "top key", "requests", "refused", "first", "last", "peak")
-    for pr in report.policies.values():
-        for k in pr.top_keys(top):
-            keys.add_row(
-                Text(k.policy), Text(k.key), str(k.requests), str(k.refused),
-                str(k.to_json()["first_refusal"] or "-"), str(k.to_json()["last_refusal"] or "-"),
-                f"{k.peak_utilization:.0%}",
-            )  # fmt: skip
-    out.print(keys)
-    dropped = report.dropped_at_publish
-    out.print(
-        Text(
-            f"{report.usage_records} usage records and {report.refusal_records} refusals "
-            f"read in {report.seconds:.1f} s; {report.requests} requests judged "
-            f"({report.repeated_refusals} repeated refusals counted once, "
-            f"{report.unmatched} matching no draft, {report.unjudged} not judgeable); "
-            f"{report.dropped_settlements} settlements of refused requests dropped; "
-            + (
-                "refusals dropped at publish: none recorded (drops at shutdown: see "
-                'spendgate_admission_refusals_total{result="dropped"} on admission)'
-                if dropped is None
-                else f"refusals dropped at publish: {dropped}"
-            )
-        )
-    )
+    print_simulation(out, report, draft, settings if compare else None, top)
     if chart_file is not None:
         say("chart", "green", str(chart_file), out=out)
 
@@ -427,20 +310,7 @@ def budgets(
                 subject=pairs,
             )
         )
-        table = Table("key", "used / limit", "share", "retry-after", "exhausts in")
-        for r in rows:
-            exhausts = "-" if r.exhausts_in_seconds is None else f"{r.exhausts_in_seconds} s"
-            retry = "never" if r.retry_after_seconds < 0 else f"{r.retry_after_seconds} s"
-            table.add_row(
-                Text(r.key),
-                f"{r.used + r.reserved:,} / {r.limit:,} {r.unit}",
-                f"{r.share:.0%}",
-                retry,
-                exhausts,
-            )
-        if not rows:
-            table.caption = "no budget windows in Redis match"
-        return table
+        return budget_table(rows)
 
     out = Console()
     if not watch:
