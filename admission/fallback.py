@@ -4,6 +4,8 @@
   of each key per window on its own. Windows here are fixed and epoch-aligned
   (``now_ms // window_ms``), counted from this process's clock; the counters live only in
   this process and start from zero, so N processes may together spend N allowances.
+  A request is judged against them by the admit decision's twin (``schemas.decision``):
+  each local window is one bucket as wide as the window, its boundary excluded.
 * Reservations admitted without Redis are remembered here so their commit or release
   can be answered by this process, and each request id's answer so a retry is idempotent.
 """
@@ -17,9 +19,11 @@ from typing import Any, Literal
 
 from spendgate.admission.answers import Answer, decision_body, make_answer, seconds
 from spendgate.admission.plans import Charge
+from spendgate.schemas.decision import DecisionResult, KeyInput, PlanInput, decide
 from spendgate.schemas.events import Subject
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.types import FailureMode
+from spendgate.schemas.windows import WindowSpec
 
 __all__ = [
     "STRICTNESS",
@@ -85,23 +89,44 @@ class DegradedLedger:
         """Milliseconds until the current local window of ``policy`` ends."""
         return policy.window_ms - now_ms % policy.window_ms
 
+    def judge(self, charges: Sequence[tuple[Policy, str, int]], now_ms: int) -> DecisionResult:
+        """Judge every (policy, key, amount) against this process's allowance, charging
+        nothing: the decision's twin (``schemas.decision``) on each key's local window, one
+        bucket as wide as the window and the boundary excluded (a fixed, epoch-aligned
+        window), so fitting, Retry-After (the window's end) and never-fits (an amount above
+        the allowance) are the admit script's rules."""
+        keys = []
+        for policy, key, amount in charges:
+            window_ms = policy.window_ms
+            spent = self.spent(policy, key, now_ms)
+            start = now_ms - now_ms % window_ms
+            keys.append(
+                KeyInput(
+                    spec=WindowSpec(window_ms, window_ms, "exclude"),
+                    limit=self.allowance(policy),
+                    amount=amount,
+                    absorbed={start: spent} if spent else {},
+                )
+            )
+        return decide([PlanInput(tuple(keys))], now_ms, 0)
+
+    def charge(self, charges: Sequence[tuple[Policy, str, int]], now_ms: int) -> None:
+        """Add every (policy, key, amount) to this process's counters."""
+        for policy, key, amount in charges:
+            slot = self._slot(policy, key, now_ms)
+            self._spent[slot] = self._spent.get(slot, 0) + amount
+        self._forget(now_ms)
+
     def try_charge(self, charges: list[tuple[Policy, str, int]], now_ms: int) -> list[int]:
         """Charge every (policy, key, amount) if all fit their allowance, else none.
 
         Returns:
             The indexes of the charges that do not fit (empty when charged).
         """
-        over = [
-            i
-            for i, (policy, key, amount) in enumerate(charges)
-            if self.spent(policy, key, now_ms) + amount > self.allowance(policy)
-        ]
-        if over:
-            return over
-        for policy, key, amount in charges:
-            slot = self._slot(policy, key, now_ms)
-            self._spent[slot] = self._spent.get(slot, 0) + amount
-        self._forget(now_ms)
+        decided = self.judge(charges, now_ms)
+        if not decided.admitted:
+            return [i for i, k in enumerate(decided.keys) if k.violated]
+        self.charge(charges, now_ms)
         return []
 
     @staticmethod
@@ -164,7 +189,10 @@ def fallback_answer(
             for c in charges
             if c.target.policy.mode == "enforce" and c.target.policy.failure == "degraded"
         ]
-        over = ledger.try_charge([(c.target.policy, c.target.key, c.amount) for c in held], now_ms)
+        asked = [(c.target.policy, c.target.key, c.amount) for c in held]
+        decided = ledger.judge(asked, now_ms)
+        if decided.admitted:
+            ledger.charge(asked, now_ms)
         for c in held:
             p = c.target.policy
             allowance = ledger.allowance(p)
@@ -182,15 +210,16 @@ def fallback_answer(
                     "reset_after_seconds": seconds(ledger.window_left_ms(p, now_ms)),
                 }
             )
-        if over:
-            refusing = [held[i].target.policy for i in over]
-            wait = max(ledger.window_left_ms(p, now_ms) for p in refusing)
-            never = any(held[i].amount > ledger.allowance(held[i].target.policy) for i in over)
+        if not decided.admitted:
+            refusing = [
+                c.target.policy for c, k in zip(held, decided.keys, strict=True) if k.violated
+            ]
+            wait = decided.retry_after_ms
             body = decision_body(
                 "reject",
                 violated=[p.id for p in refusing],
-                retry_after_seconds=None if never else max(1, seconds(wait)),
-                never_fits=never,
+                retry_after_seconds=None if wait is None else max(1, seconds(wait)),
+                never_fits=decided.never_fits,
                 budgets=budgets,
                 model=model,
             )

@@ -238,6 +238,29 @@ class TestFailureModes:
         assert second.answer.status == 429
         assert second.answer.body["violated"] == ["d"]
 
+    def test_degraded_retry_is_the_local_window_end_and_never_fits_above_the_allowance(
+        self,
+    ) -> None:
+        # 24 h window; the allowance 200 holds one estimate of 150 per local window.
+        plans = Planner([policy("d", failure="degraded", degraded_allowance=0.2)], None).plans(
+            SUBJECT, ESTIMATE
+        )
+        ledger = DegradedLedger()
+        now = 86_400_000 * 3 + 1_000
+        assert fallback_answer(ledger, plans[0].charges, "big", now, "r1", 900_000).admitted
+        second = fallback_answer(ledger, plans[0].charges, "big", now + 500, "r2", 900_000)
+        assert second.answer is not None and not second.admitted
+        assert second.answer.body["retry_after_seconds"] == 86_400 - 1  # ceil(86_398_500 ms)
+        assert second.answer.body["never_fits"] is False
+        assert second.answer.body["budgets"][0]["reserved"] == 150  # the refusal held nothing
+        small = Planner([policy("s", failure="degraded", degraded_allowance=0.1)], None).plans(
+            SUBJECT, ESTIMATE
+        )
+        out = fallback_answer(DegradedLedger(), small[0].charges, "big", now, "r3", 900_000)
+        assert out.answer is not None and not out.admitted
+        assert out.answer.body["never_fits"] is True
+        assert "retry_after_seconds" not in out.answer.body
+
     def test_open_admits_without_budgets(self) -> None:
         plans = Planner([policy("o", failure="open")], None).plans(SUBJECT, ESTIMATE)
         out = fallback_answer(DegradedLedger(), plans[0].charges, "big", 0, "r", 900_000)
