@@ -21,18 +21,19 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
+
+from spendgate._demo_showcase import showcase
+from spendgate._demo_view import Clock, Tally, observe, screen
+from spendgate._demo_view import KeyView as KeyView
+from spendgate._demo_view import write_chart as write_chart
 
 logger = logging.getLogger(__name__)
 
@@ -66,92 +67,8 @@ TENANTS: dict[str, dict[str, Any]] = {
 DEFAULT_CHART = Path("demo-out/demo-usage.png")
 
 
-@dataclass
-class KeyView:
-    """What the demo has seen of one budget key."""
-
-    limit: int = 0
-    used: int = 0
-    reserved: int = 0
-    unit: str = ""
-    window_s: int = 0
-    #: (seconds since start, used + reserved) samples for the chart.
-    points: list[tuple[float, int]] = field(default_factory=list)
-    #: seconds since start of each refusal on this key.
-    refusals: list[float] = field(default_factory=list)
-
-
-@dataclass
-class Tally:
-    """Running totals shown in the live table."""
-
-    admitted: int = 0
-    refused: int = 0
-    committed: int = 0
-    cancelled: int = 0
-    late_reports: int = 0
-    errors: int = 0
-    last_retry: dict[str, str] = field(default_factory=dict)
-    keys: dict[str, KeyView] = field(default_factory=dict)
-    log: list[str] = field(default_factory=list)
-    #: (seconds since start, text) of late reports, marked on the chart.
-    late: list[tuple[float, str]] = field(default_factory=list)
-    #: What the enforcement-action showcase saw (printed again at the end).
-    actions: list[str] = field(default_factory=list)
-
-
-def _view(tally: Tally, elapsed_s: float) -> Group:
-    """The live screen: the budget table, then the latest events."""
-    return Group(_table(tally, elapsed_s), *(Text.from_markup(line) for line in tally.log[-6:]))
-
-
-def _table(tally: Tally, elapsed_s: float) -> Table:
-    table = Table(
-        title=f"spendgate demo - {elapsed_s:4.0f}s  admitted {tally.admitted}  "
-        f"refused {tally.refused}  committed {tally.committed}  "
-        f"cancelled {tally.cancelled}  late reports {tally.late_reports}"
-    )
-    # The key column folds (wraps mid-word) rather than cutting: a key has no spaces, and
-    # which tenant is near its limit is the point of the table. Cells are Text, never markup.
-    table.add_column("budget key", overflow="fold", ratio=3)
-    for col in ("unit", "used+reserved / limit", "window", "last Retry-After"):
-        table.add_column(col, overflow="fold")
-    for key, view in sorted(tally.keys.items()):
-        share = min(1.0, (view.used + view.reserved) / max(view.limit, 1))
-        bar = "#" * int(share * 20) + "." * (20 - int(share * 20))
-        table.add_row(
-            Text(key),
-            Text(view.unit),
-            Text(f"[{bar}] {view.used + view.reserved}/{view.limit}"),
-            f"{view.window_s}s" if view.window_s else "-",
-            Text(tally.last_retry.get(key, "-")),
-        )
-    return table
-
-
-def _observe(tally: Tally, budgets: list[dict[str, Any]], at: float) -> None:
-    for b in budgets:
-        view = tally.keys.setdefault(b["key"], KeyView())
-        view.limit, view.used, view.reserved, view.unit = (
-            b["limit"],
-            b["used"],
-            b["reserved"],
-            b["unit"],
-        )
-        view.window_s = int(b.get("window_seconds", 0))
-        view.points.append((at, b["used"] + b["reserved"]))
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-
-    def now(self) -> float:
-        return time.monotonic() - self.start
-
-
 async def _one_request(
-    http: httpx.AsyncClient, tenant: str, tally: Tally, clock: _Clock, rng: random.Random
+    http: httpx.AsyncClient, tenant: str, tally: Tally, clock: Clock, rng: random.Random
 ) -> None:
     spec = TENANTS[tenant]
     model = rng.choice(spec["models"])
@@ -166,7 +83,7 @@ async def _one_request(
     }
     answer = await http.post("/v1/admit", json=body)
     data = answer.json()
-    _observe(tally, data.get("budgets", []), clock.now())
+    observe(tally, data.get("budgets", []), clock.now())
     if answer.status_code == 429:
         tally.refused += 1
         wait = "never fits" if data.get("never_fits") else f"{data['retry_after_seconds']}s"
@@ -214,7 +131,7 @@ async def _one_request(
     tally.committed += 1
 
 
-async def _late_reports(tally: Tally, clock: _Clock, seconds: float, rng: random.Random) -> None:
+async def _late_reports(tally: Tally, clock: Clock, seconds: float, rng: random.Random) -> None:
     """Every few seconds an inference worker reports usage late, straight to Kafka."""
     from aiokafka import AIOKafkaProducer
 
@@ -268,133 +185,8 @@ async def _late_reports(tally: Tally, clock: _Clock, seconds: float, rng: random
         await producer.stop()
 
 
-async def _showcase(http: httpx.AsyncClient, tally: Tally, clock: _Clock, seconds: float) -> None:
-    """burst, delay and route once each, on tenant hooli (skipped without its policies)."""
-
-    async def admit(model: str, **subject: str) -> httpx.Response:
-        answer = await http.post(
-            "/v1/admit",
-            json={
-                "request_id": uuid.uuid4().hex,
-                "subject": {"tenant": "hooli", "api_key": "hooli-key-1", "model": model, **subject},
-                "estimate": {"requests": 1, "input_tokens": 50, "output_tokens": 50},
-            },
-        )
-        _observe(tally, answer.json().get("budgets", []), clock.now())
-        if answer.status_code == 200:
-            tally.admitted += 1
-            with contextlib.suppress(httpx.HTTPError):
-                await http.post(
-                    "/v1/commit",
-                    json={
-                        "reservation_id": answer.json()["reservation_id"],
-                        "usage": {"requests": 1, "input_tokens": 50, "output_tokens": 40},
-                    },
-                )
-                tally.committed += 1
-        elif answer.status_code == 429:
-            tally.refused += 1
-        return answer
-
-    def say(line: str) -> None:
-        tally.actions.append(line)
-        tally.log.append(f"[magenta]{escape(line)}[/]")
-
-    # burst: 6 at once against a bucket of 3.
-    await asyncio.sleep(2)
-    burst = await asyncio.gather(*(admit("claude-sonnet-4") for _ in range(6)))
-    refused = [a for a in burst if a.status_code == 429]
-    say(
-        f"burst: 6 sonnet requests at once, {6 - len(refused)} admitted, {len(refused)} refused "
-        f"by the token bucket (Retry-After {refused[0].headers.get('Retry-After', '-')}s)"
-        if refused
-        else "burst: no token bucket refused (policy hooli-sonnet-burst not applied?)"
-    )
-    # route: the third request on gpu-east goes to gpu-west.
-    for _ in range(3):
-        routed = await admit("claude-opus-4", pool="gpu-east")
-    body = routed.json()
-    say(
-        f"route: third request on gpu-east answered {body.get('decision')}"
-        f" -> {body.get('route_to')}"
-    )
-    await _stream_and_overage(http, say)
-    # delay: 2 haiku now fill the 30 s window; one more ~22 s later is held until it fits.
-    await asyncio.gather(admit("claude-haiku-4"), admit("claude-haiku-4"))
-    wait = max(0.0, min(seconds - 12, clock.now() + 22) - clock.now())
-    await asyncio.sleep(wait)
-    say("delay: a third haiku request arrives; the window is full, it will be held...")
-    held = (await admit("claude-haiku-4")).json()
-    say(
-        f"delay: answered {held.get('decision')} after {held.get('delayed_ms', 0)} ms"
-        + (f" ({held['reason']})" if held.get("reason") else "")
-    )
-
-
-async def _stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]) -> None:
-    """A stream stopped by a refused extend, then an overage (policy hooli-stream-output)."""
-
-    def subject(key: str) -> dict[str, str]:
-        return {"tenant": "hooli", "api_key": key, "model": "claude-opus-4"}
-
-    async def admit(key: str, output_tokens: int) -> httpx.Response:
-        return await http.post(
-            "/v1/admit",
-            json={
-                "request_id": uuid.uuid4().hex,
-                "subject": subject(key),
-                "estimate": {"requests": 1, "output_tokens": output_tokens},
-            },
-        )
-
-    async def commit(rid: str, output_tokens: int) -> None:
-        usage = {"requests": 1, "output_tokens": output_tokens}
-        await http.post("/v1/commit", json={"reservation_id": rid, "usage": usage})
-
-    # Reserve 300 output tokens, then 300 more before each chunk would pass the reservation.
-    first = await admit("hooli-stream-a", 300)
-    if first.status_code != 200:
-        say("stream: not admitted (policy hooli-stream-output not applied?)")
-        return
-    rid, reserved, used, seq = first.json()["reservation_id"], 300, 0, 0
-    refusal: dict[str, Any] = {}
-    while used < 10_000:
-        if used + 100 > reserved:
-            seq += 1
-            body = {"reservation_id": rid, "seq": seq, "add": {"output_tokens": 300}}
-            grown = await http.post("/v1/extend", json=body)
-            if grown.status_code != 200:
-                refusal = grown.json()
-                break
-            reserved += 300
-        used += 100  # one chunk generated
-    await commit(rid, used)
-    violated = refusal.get("violated", [])
-    left = {
-        b["policy"]: b["remaining"] for b in refusal.get("budgets", []) if b["policy"] in violated
-    }
-    say(
-        f"stream: {seq - 1} extends granted, stopped at {used} output tokens when extend {seq} "
-        f"was refused (remaining {left}); committed {used}"
-    )
-    # Overage: estimated 200, used 500.
-    over = await admit("hooli-stream-b", 200)
-    if over.status_code == 200:
-        await commit(over.json()["reservation_id"], 500)
-        await asyncio.sleep(3)  # the worker records the overage
-        again = await admit("hooli-stream-b", 200)
-        budgets = again.json().get("budgets", [])
-        held = next((b["reserved"] for b in budgets if b["policy"] == "hooli-stream-output"), "?")
-        if again.status_code == 200:
-            await commit(again.json()["reservation_id"], 200)
-        say(
-            "overage: estimated 200, committed 500: charged in full, an overage alert "
-            f"(spendgate alerts tail); cap_next holds the next 200 estimate at {held}"
-        )
-
-
 async def _poll_budgets(
-    http: httpx.AsyncClient, tally: Tally, clock: _Clock, seconds: float
+    http: httpx.AsyncClient, tally: Tally, clock: Clock, seconds: float
 ) -> None:
     """Sample every subject's budgets once a second (the chart's regular points)."""
     subjects = [
@@ -408,23 +200,23 @@ async def _poll_budgets(
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 answer = await http.get("/v1/budgets", params=subject)
                 if answer.status_code == 200:
-                    _observe(tally, answer.json().get("budgets", []), clock.now())
+                    observe(tally, answer.json().get("budgets", []), clock.now())
         await asyncio.sleep(1.0)
 
 
 async def _run(base_url: str, seconds: float, seed: int | None, late: bool) -> Tally:
     tally = Tally()
     rng = random.Random(seed)
-    clock = _Clock()
+    clock = Clock()
     pending: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
         side = [
             asyncio.create_task(_poll_budgets(http, tally, clock, seconds)),
-            asyncio.create_task(_showcase(http, tally, clock, seconds)),
+            asyncio.create_task(showcase(http, tally, clock, seconds)),
         ]
         if late:
             side.append(asyncio.create_task(_late_reports(tally, clock, seconds, rng)))
-        with Live(_view(tally, 0), refresh_per_second=4, console=Console()) as live:
+        with Live(screen(tally, 0), refresh_per_second=4, console=Console()) as live:
             while (elapsed := clock.now()) < seconds:
                 for tenant, spec in TENANTS.items():
                     # acme bursts 4x for one second in every ten; globex once in 15 s.
@@ -434,63 +226,15 @@ async def _run(base_url: str, seconds: float, seed: int | None, late: bool) -> T
                         task = asyncio.create_task(_one_request(http, tenant, tally, clock, rng))
                         pending.add(task)
                         task.add_done_callback(pending.discard)
-                live.update(_view(tally, elapsed))
+                live.update(screen(tally, elapsed))
                 await asyncio.sleep(0.1)
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
             for task in side:
                 task.cancel()
             await asyncio.gather(*side, return_exceptions=True)
-            live.update(_view(tally, clock.now()))
+            live.update(screen(tally, clock.now()))
     return tally
-
-
-def write_chart(tally: Tally, path: Path) -> Path:
-    """A PNG: one panel per budget key, used+reserved against its limit, refusals marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(k for k, v in tally.keys.items() if v.points)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cols = 2 if len(keys) > 1 else 1
-    rows = max(1, (len(keys) + cols - 1) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 2.8 * rows), squeeze=False)
-    for ax in axes.flat[len(keys) :]:
-        ax.set_visible(False)
-    for ax, key in zip(axes.flat, keys, strict=False):
-        view = tally.keys[key]
-        xs, ys = zip(*sorted(view.points), strict=True)
-        ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.3, label="used + reserved")
-        ax.axhline(view.limit, color="black", linestyle="--", linewidth=1, label="limit")
-        if view.refusals:
-            ax.plot(
-                view.refusals,
-                [view.limit] * len(view.refusals),
-                "x",
-                color="red",
-                markersize=6,
-                label=f"refused ({len(view.refusals)})",
-            )
-        tenant = key.split("tenant=")[1].split("|")[0] if "tenant=" in key else ""
-        for at, _ in (t for t in tally.late if tenant and t[1].startswith(tenant + ":")):
-            ax.axvline(at, color="tab:cyan", alpha=0.5, linewidth=1)
-        ax.set_title(f"{key}  ({view.unit}, {view.window_s}s window)", fontsize=9)
-        ax.set_ylim(0, max(view.limit, max(ys)) * 1.15)
-        ax.set_xlabel("seconds since start", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(
-        f"spendgate demo: {tally.admitted} admitted, {tally.refused} refused, "
-        f"{tally.cancelled} cancelled, {tally.late_reports} late reports (cyan lines)",
-        fontsize=11,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def wait_until_decidable(

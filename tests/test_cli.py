@@ -133,7 +133,7 @@ class TestDemoTable:
     def test_budget_keys_wrap_in_full_on_a_narrow_terminal(self) -> None:
         from rich.console import Console
 
-        from spendgate.demo import KeyView, Tally, _table
+        from spendgate._demo_view import KeyView, Tally, key_table
 
         keys = [
             "opus-requests-30s|tenant=initech|api_key=initech-key-2",
@@ -141,7 +141,7 @@ class TestDemoTable:
         ]
         tally = Tally(keys={k: KeyView(limit=10, used=9, unit="requests") for k in keys})
         out = Console(width=80, record=True, color_system=None)
-        out.print(_table(tally, 3.0))
+        out.print(key_table(tally, 3.0))
         rows = [line.split("│") for line in out.export_text().splitlines() if "│" in line]
         first_column = "".join(cells[1].strip() for cells in rows if len(cells) > 2)
         for key in keys:

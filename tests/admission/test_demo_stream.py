@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spendgate.demo import _stream_and_overage
+from spendgate._demo_showcase import stream_and_overage
 from spendgate.streams.policy_admin import load_policies
 from tests.fixtures.admission import MakeAdmission
 
@@ -21,7 +21,7 @@ async def test_the_stream_stops_at_the_limit_and_commits_what_it_used(
     adm = await make_admission()
     await adm.policies(*load_policies(POLICIES))
     lines: list[str] = []
-    await _stream_and_overage(adm.http, lines.append)
+    await stream_and_overage(adm.http, lines.append)
     assert lines[0] == (
         "stream: 4 extends granted, stopped at 1500 output tokens when extend 5 was refused "
         "(remaining {'hooli-stream-output': 0}); committed 1500"
