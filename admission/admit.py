@@ -10,10 +10,12 @@ are the framework's, byte for byte, and the OpenAPI document keeps describing th
 a body the route then accepts is decided by the same ``AdmitService.admit``.
 
 Why the fast path is kept (issue 28: only if a paired A/B shows it worth more than 5%):
-``bench.admission_ab`` of this checkout against one whose app serves admit by the route
-alone, 6 rounds of 5 s, 1-budget ``reject`` policy, 2026-12-02, server CPU per request
-(median, per-round range of the ratio): 16 connections: admitted 925 vs 1,192 us (0.765,
-0.688-0.834), refused 628 vs 957 us (0.649, 0.611-0.661); see bench/RESULTS.md.
+``bench.admission_ab`` of this path against the same commit with the fast path taken out
+(the route serves every admit), 6 rounds of 5 s, 1-budget ``reject`` policy, 2026-12-02.
+Server CPU per request, fast / route-only, median (per-round range): 16 connections,
+admitted 799 / 1,148 us = 0.708 (0.679-0.752), refused 577 / 890 us = 0.634
+(0.608-0.691); 1 connection, admitted 1,275 / 1,595 us = 0.799 (0.772-0.819), refused
+748 / 1,019 us = 0.731 (0.711-0.749). The route alone costs 25-54% more CPU per request.
 """
 
 from __future__ import annotations

@@ -580,17 +580,17 @@ def main(argv: list[str] | None = None) -> int:
         with (
             c.process(
                 [c.python(), "-m", "bench._empty_app", str(empty_port)], {}, tmp / "empty.log"
-            ),
+            ) as empty,
             c.process(
                 [c.python(), "-m", "bench._empty_app", str(bare_port), "asgi"],
                 {},
                 tmp / "bare.log",
-            ),
+            ) as bare,
         ):
             c.wait_http(empty_port, "/healthz")
             c.wait_http(bare_port, "/healthz")
-            run("baseline empty endpoint", "http", "closed", 1, empty_port)
-            run("baseline bare asgi endpoint", "http", "closed", 1, bare_port)
+            run("baseline empty endpoint", "http", "closed", 1, empty_port, server=empty.pid)
+            run("baseline bare asgi endpoint", "http", "closed", 1, bare_port, server=bare.pid)
             for window in windows:
                 rid = rids[window.label]
                 started = time.perf_counter()
@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                     _window_runs(
                         run,
                         args,
-                        (empty_port, bare_port),
+                        (empty_port, bare_port, empty.pid),
                         budgets,
                         window,
                         prefill,
@@ -674,7 +674,7 @@ def _server_env(rid: str, port: int) -> dict[str, str]:
 def _window_runs(
     run: Callable[..., None],
     args: argparse.Namespace,
-    ports: tuple[int, int],
+    ports: tuple[int, int, int],
     budgets: list[int],
     window: Window,
     prefill: _Prefill,
@@ -685,7 +685,7 @@ def _window_runs(
     """One window's runs against its own server (and, unless quick, the slow extras)."""
     sg_port, multi_port = c.free_port(), c.free_port()
     env = _server_env(prefill.rid, sg_port)
-    empty_port, bare_port = ports
+    empty_port, bare_port, empty_pid = ports
     with c.process(
         [c.python(), "-m", "spendgate", "admission"], env, tmp / f"admission-{window.label}.log"
     ) as server:
@@ -704,7 +704,7 @@ def _window_runs(
             run(f"spendgate /v1/admit {what}", "http", "closed", n, model=model, **sg, key=key)
             key = ("lua", "refused", n)
             run(f"baseline lua direct {what}", "lua", "closed", n, model=model, **lua, key=key)
-        run("baseline empty endpoint (again)", "http", "closed", 1, empty_port)
+        run("baseline empty endpoint (again)", "http", "closed", 1, empty_port, server=empty_pid)
         if quick:
             return
         run("baseline empty endpoint", "http", "open", 1, empty_port)
@@ -813,6 +813,8 @@ def _report(
         if r["label"].startswith("baseline empty endpoint") and r["mode"] == "closed"
     ]
     empty_rps = max(_rate(r) for r in empties)
+    # The empty endpoint's CPU per request, at its best in this run (as its rate).
+    empty_us = min((r["server_us"] for r in empties if "server_us" in r), default=0.0)
     bare = first("baseline bare asgi endpoint", "closed")
     empty_open = first("baseline empty endpoint", "open")
     bare_open = first("baseline bare asgi endpoint", "open")
@@ -821,7 +823,7 @@ def _report(
     print("targets:")
     print(
         f"  (same run; empty endpoint: FastAPI empty route, best of {len(empties)} "
-        f"runs {empty_rps:,.0f} req/s"
+        f"runs {empty_rps:,.0f} req/s, server CPU {empty_us:,.0f} us/req"
         + (f"; bare ASGI endpoint {_rate(bare):,.0f} req/s" if bare else "")
         + "; same uvicorn options as spendgate)"
     )
@@ -849,6 +851,13 @@ def _report(
                 line += f"; {100 * rel:.0f}% of 1 budget (target >= 25%: "
                 line += c.verdict(rel >= 0.25, f"{n} budgets vs 1{tag}") + ")"
             print(line)
+            if n == 1 and "server_us" in sg and empty_us:
+                rel = sg["server_us"] / empty_us
+                ok = c.verdict(rel <= 2, f"server CPU per admit, 1 budget{tag}")
+                print(
+                    f"   1 budget(s): server CPU {sg['server_us']:,.0f} us/admitted request = "
+                    f"{rel:.2f}x the empty endpoint's {empty_us:,.0f} us (target <= 2x: {ok})"
+                )
             sg_open = first(f"spendgate /v1/admit, {n} ", "open", w)
             lua_open = first(f"baseline lua direct, {n} ", "open", w)
             if sg_open is not None and empty_open is not None:
