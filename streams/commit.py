@@ -132,7 +132,11 @@ class BatchCommit:
        acked.
 
     Any failure before 6 leaves the offsets uncommitted, drops the cached states and
-    raises: the records come again and redeliveries change nothing.
+    raises: the records come again and redeliveries change nothing. What steps 2 wrote
+    but step 4 did not confirm is carried to the next batch's step 4: the redelivered
+    records are redeliveries for the table (no window change, nothing absorbed), so
+    without the carry their windows would reach Redis only through the drift check, while
+    the marks vouched for them.
 
     Args:
         fold: folds one partition's events.
@@ -166,6 +170,9 @@ class BatchCommit:
         self.offsets = offsets
         self.in_flight = in_flight if in_flight is not None else set()
         self.done = done
+        #: Key writes in the table that Redis may not have (a batch failed before step 4
+        #: confirmed them): written with the next batch's windows.
+        self.unmirrored: dict[str, KeyWrite] = {}
 
     async def run(self, events: Sequence[Any]) -> list[Folded]:
         """Commit ``events`` (faust events of one topic, any partitions) in steps 1-6.
@@ -174,22 +181,27 @@ class BatchCommit:
             Each partition's part of the batch, in order of first appearance.
         """
         touched: set[str] = set()
+        written: list[KeyWrite] = []
+        parts: list[Folded] = []
         try:
-            parts = []
             for partition, group in by_partition(events).items():
                 # 1. fold
                 result, last = await self.fold(partition, group)
                 # 2. table writes (no await until the keys are marked in flight)
+                written += result.writes
                 self.table.write(group, result.writes)
                 keys = {w.key for w in result.writes}
                 self.in_flight.update(keys)
                 touched |= keys
                 # 3. changelog: queued by step 2; flushed by faust before step 6's commit.
                 parts.append(Folded(partition, group, result, last))
-            await self._redis_and_sends(parts, touched)
+            await self._redis(parts, touched)
+            written = []  # in Redis now
+            await self._sends(parts)
             if self.done is not None:
                 self.done(parts)
         except BaseException:
+            self._carry(written)
             self.table.forget()
             self.in_flight.difference_update(touched)
             raise
@@ -197,29 +209,62 @@ class BatchCommit:
         await self.offsets.commit(events)
         return parts
 
-    async def _redis_and_sends(self, parts: Sequence[Folded], touched: set[str]) -> None:
-        """Steps 4 and 5."""
-        results = [part.result for part in parts]
-        lasts = [part.last for part in parts]
-        due = [w for result in results for w in result.writes if w.redis_due]
-        later = any(result.remote for result in results)
-        # 4. Redis with marks
+    async def _redis(self, parts: Sequence[Folded], touched: set[str]) -> None:
+        """Step 4: the batch's windows (and those carried from a failed batch) and, unless
+        it sent keyed batches, its marks, in one pipeline."""
+        due = [w for part in parts for w in part.result.writes if w.redis_due]
         try:
-            marks = [] if later else self.marks.advance(lasts)
-            self.marks.noted(await self.redis.write_batch(due, marks, self.marks.presence))
+            later = any(part.result.remote for part in parts)
+            marks = [] if later else self.marks.advance([part.last for part in parts])
+            reply = await self.redis.write_batch(
+                self._with_unmirrored(due), marks, self.marks.presence
+            )
+            self.unmirrored.clear()
         finally:
             self.in_flight.difference_update(touched)
-        # 5. sends, acked by the broker before the batch's records are: nothing is lost
+        self.marks.noted(reply)
+
+    async def _sends(self, parts: Sequence[Folded]) -> None:
+        """Step 5: keyed batches, dead letters, alerts; every ack awaited (nothing is lost
+        in a crash); then the marks step 4 held back."""
         sent: list[Awaitable[Any]] = []
-        for result in results:
-            sent += [await self.outbox.keyed(b) for b in result.remote]
-            sent += [await self.outbox.dead_letter(r) for r in result.refusals]
-            sent += [await self.outbox.alert(a) for a in result.alerts]
+        for part in parts:
+            sent += [await self.outbox.keyed(b) for b in part.result.remote]
+            sent += [await self.outbox.dead_letter(r) for r in part.result.refusals]
+            sent += [await self.outbox.alert(a) for a in part.result.alerts]
         await asyncio.gather(*sent)
-        if later:
-            self.marks.noted(
-                await self.redis.write_marks(self.marks.advance(lasts), self.marks.presence)
-            )
+        if any(part.result.remote for part in parts):
+            marks = self.marks.advance([part.last for part in parts])
+            self.marks.noted(await self.redis.write_marks(marks, self.marks.presence))
+
+    def _carry(self, written: Sequence[KeyWrite]) -> None:
+        """Keep ``written`` (in the table, maybe not in Redis) for the next step 4."""
+        for w in written:
+            if (older := self.unmirrored.get(w.key)) is not None:
+                _merge(w, older)
+            self.unmirrored[w.key] = w
+
+    def _with_unmirrored(self, due: list[KeyWrite]) -> list[KeyWrite]:
+        """``due`` with the carried writes: merged into this batch's write of the same key
+        (its state is newer), else as they were."""
+        if not self.unmirrored:
+            return due
+        mine = {w.key: w for w in due}
+        carried = []
+        for key, older in self.unmirrored.items():
+            if (w := mine.get(key)) is not None:
+                _merge(w, older)
+            elif older.redis_due:
+                carried.append(older)
+        return carried + due
+
+
+def _merge(newer: KeyWrite, older: KeyWrite) -> None:
+    """Fold ``older``'s unconfirmed Redis write of the same key into ``newer``'s."""
+    newer.window_changed |= older.window_changed
+    newer.absorbed = {**older.absorbed, **newer.absorbed}
+    if newer.overage is None:
+        newer.overage = older.overage
 
 
 def by_partition(events: Sequence[Any]) -> dict[int, list[Any]]:
