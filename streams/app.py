@@ -28,7 +28,7 @@ from spendgate.streams.agents import declare_agents
 from spendgate.streams.commit import BatchCommit, Folded, Last, PartitionFold
 from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.drift import DriftCheck
-from spendgate.streams.effects import FoldResult
+from spendgate.streams.effects import FoldResult, KeyWrite
 from spendgate.streams.faust_io import FaustTable, StreamAcks, TopicOutbox
 from spendgate.streams.fold import KeyedMessage, UsageRecord, fold_keyed, fold_usage
 from spendgate.streams.gaps import Positions, committed_offset, missing_range, read_range
@@ -153,6 +153,8 @@ class Worker:
         #: Keys whose table value is written but whose Redis write is still in flight:
         #: Redis is behind there for a moment, which is not drift.
         self.in_flight: set[str] = set()
+        #: Per agent: table writes Redis may not have (``BatchCommit.unmirrored``).
+        self.unmirrored: dict[str, dict[str, KeyWrite]] = {}
         self.drift = DriftCheck(
             app,
             self.table,
@@ -180,13 +182,15 @@ class Worker:
 
     def usage_commit(self, stream: faust.StreamT[Any]) -> BatchCommit:
         """The batch commit of the usage agent, acking on ``stream``."""
-        return self._commit(self.fold_usage_partition, stream, self.usage_done)
+        return self._commit(self.fold_usage_partition, stream, self.usage_done, "usage")
 
     def keyed_commit(self, stream: faust.StreamT[Any]) -> BatchCommit:
         """The batch commit of the keyed agent, acking on ``stream``."""
-        return self._commit(self.fold_keyed_partition, stream, self.keyed_done)
+        return self._commit(self.fold_keyed_partition, stream, self.keyed_done, "keyed")
 
-    def _commit(self, fold: PartitionFold, stream: Any, done: Any) -> BatchCommit:
+    def _commit(self, fold: PartitionFold, stream: Any, done: Any, agent: str) -> BatchCommit:
+        # What a failed batch wrote to the table but maybe not to Redis outlives the
+        # commit: faust restarts a crashed agent, which makes a new one.
         return BatchCommit(
             fold,
             FaustTable(self.table, self.states),
@@ -196,6 +200,7 @@ class Worker:
             StreamAcks(stream),
             in_flight=self.in_flight,
             done=done,
+            unmirrored=self.unmirrored.setdefault(agent, {}),
         )
 
     async def policies_ready(self) -> None:

@@ -148,6 +148,8 @@ class BatchCommit:
         in_flight: keys whose table value is newer than Redis until step 4 (shared with
             the drift check: not drift).
         done: called with the batch's partitions once it is written and sent.
+        unmirrored: the carried writes (kept by the caller across commits: a restarted
+            agent makes a new commit).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class BatchCommit:
         *,
         in_flight: set[str] | None = None,
         done: Callable[[Sequence[Folded]], None] | None = None,
+        unmirrored: dict[str, KeyWrite] | None = None,
     ) -> None:
         self.fold = fold
         self.table = table
@@ -172,7 +175,7 @@ class BatchCommit:
         self.done = done
         #: Key writes in the table that Redis may not have (a batch failed before step 4
         #: confirmed them): written with the next batch's windows.
-        self.unmirrored: dict[str, KeyWrite] = {}
+        self.unmirrored = unmirrored if unmirrored is not None else {}
 
     async def run(self, events: Sequence[Any]) -> list[Folded]:
         """Commit ``events`` (faust events of one topic, any partitions) in steps 1-6.

@@ -360,3 +360,23 @@ class TestBatchCommitFailures:
         (_, (_, keys, _, _)) = rig.rec.of("redis")
         assert keys == ["ten|tenant=acme"]  # one write of the key, its newest state
         assert sum(rig.redis.windows["ten|tenant=acme"].buckets.values()) == 610
+
+    async def test_the_carried_writes_outlive_the_commit(self) -> None:
+        # faust restarts a crashed agent, which makes a new commit over the same dict.
+        rig = Rig()
+        rig.redis.fail = ConnectionError("Redis is gone")
+        with pytest.raises(ConnectionError):
+            await rig.commit.run(BATCH)
+        rig.redis.fail = None
+        again = BatchCommit(
+            rig.fold,
+            rig.table,
+            rig.redis,
+            MemoryMarks(rig.rec),
+            rig.outbox,
+            MemoryOffsets(rig.rec),
+            unmirrored=rig.commit.unmirrored,
+        )
+        rig.rec.log.clear()
+        await again.run(BATCH)
+        assert rig.rec.of("redis")[0][1] == ["ten|tenant=acme", "ten|tenant=bolt"]
