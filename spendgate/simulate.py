@@ -30,6 +30,10 @@ How a history becomes a counterfactual (the same pure fold as ``replay``,
   alternative is judged again for each alternative subject (model or pool replaced) in
   order, never chained; the first that fits is admitted and it, its commit, extends and
   release are charged to the replaced subject.
+* Every request is decided by the admit script's pure twin (``schemas.decision``, checked
+  against the script on random cases), so alternatives, caps, observe keys, bursts and the
+  delay's Retry-After follow enforcement's own rules. A commit takes effect at its instant
+  (live admission sees the estimate until the worker absorbed it: see ``caveats``).
 * ``burst``: each key's token bucket (``schemas.burst``) is a second quota beside the
   window, judged in the same step (a ``cap`` caps to what both allow, a ``delay`` waits for
   both); an admitted request takes its amount from the buckets of the plan admitted.
@@ -55,6 +59,7 @@ __all__ = [
     "chart",
     "dumps",
     "judge",
+    "read_history",
     "run_simulation",
     "simulate",
 ]
@@ -96,6 +101,22 @@ async def _read_topic(
         await stop(consumer)
 
 
+async def read_history(
+    settings: WorkerSettings, *, since: datetime | None = None, until: datetime | None = None
+) -> list[Merged]:
+    """``usage`` and ``refusals`` from ``since`` (broker time) to their current ends, merged
+    by event time (ties keep topic order), records after ``until`` left out."""
+    since_ms = None if since is None else int(since.timestamp() * 1000)
+    records: list[Merged] = []
+    await _read_topic(settings, "usage", since_ms, 0, records)
+    await _read_topic(settings, "refusals", since_ms, 1, records)
+    until_ms = None if until is None else int(until.timestamp() * 1000)
+    if until_ms is not None:
+        records = [r for r in records if r.at_ms <= until_ms]
+    records.sort(key=lambda r: (r.at_ms, r.order))
+    return records
+
+
 async def simulate(
     settings: WorkerSettings,
     draft: Sequence[Policy],
@@ -116,14 +137,7 @@ async def simulate(
     from spendgate.schemas.prices import load_catalog
 
     started = asyncio.get_running_loop().time()
-    since_ms = None if since is None else int(since.timestamp() * 1000)
-    records: list[Merged] = []
-    await _read_topic(settings, "usage", since_ms, 0, records)
-    await _read_topic(settings, "refusals", since_ms, 1, records)
-    until_ms = None if until is None else int(until.timestamp() * 1000)
-    if until_ms is not None:
-        records = [r for r in records if r.at_ms <= until_ms]
-    records.sort(key=lambda r: (r.at_ms, r.order))
+    records = await read_history(settings, since=since, until=until)
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     longest = max((p.window_ms for p in draft), default=0)
     sim = Simulation(draft, prices, settings.horizon_ms(longest))

@@ -9,7 +9,7 @@ import orjson
 from spendgate.admission.decide import Planner
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.policies import Policy
-from spendgate.simulation import Merged, Simulation, caveats, judge
+from spendgate.simulation import ABSORB_LAG, Merged, Simulation, caveats, judge
 
 
 def policy(pid: str, **fields: object) -> Policy:
@@ -52,7 +52,11 @@ class TestCaveats:
             policy("r", on_exceed="route", route_to="west"),
             policy("n", overage="cap_next"),
         ]
-        assert [c.split(":")[0] for c in caveats(drafts)] == ["n"]
+        assert [c.split(":")[0] for c in caveats(drafts) if c != ABSORB_LAG] == ["n"]
+
+    def test_the_absorb_lag_is_stated_for_any_draft(self) -> None:
+        assert caveats([policy("a")]) == [ABSORB_LAG]
+        assert caveats([]) == []
 
 
 class TestActions:
