@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from spendgate.admission import resp
@@ -54,3 +57,59 @@ class TestEvalsha:
         with pytest.raises(ResponseError, match="no budget here"):
             await resp.evalsha(redis_client, sha, script, [], [])
         assert await redis_client.ping()
+
+
+@pytest.mark.integration
+class TestPipelining:
+    async def test_commands_handed_over_together_share_one_connection(
+        self, redis_client: aioredis.Redis
+    ) -> None:
+        ids = await asyncio.gather(
+            *(resp.execute(redis_client, resp.pack(["CLIENT", "ID"])) for _ in range(8))
+        )
+        assert len(set(ids)) == 1  # one connection, one write
+
+    async def test_each_caller_gets_its_own_reply_in_order(
+        self, redis_client: aioredis.Redis
+    ) -> None:
+        words = [f"w{i}" for i in range(20)]
+        got = await asyncio.gather(
+            *(resp.execute(redis_client, resp.pack(["ECHO", w])) for w in words)
+        )
+        assert got == [w.encode() for w in words]
+
+    async def test_an_error_reply_fails_only_its_own_caller(
+        self, redis_client: aioredis.Redis
+    ) -> None:
+        got = await asyncio.gather(
+            resp.execute(redis_client, resp.pack(["ECHO", "a"])),
+            resp.execute(redis_client, resp.pack(["NO-SUCH-COMMAND"])),
+            resp.execute(redis_client, resp.pack(["ECHO", "b"])),
+            return_exceptions=True,
+        )
+        assert got[0] == b"a" and got[2] == b"b"
+        assert isinstance(got[1], ResponseError)
+        assert await redis_client.ping()
+
+    async def test_a_caller_that_gave_up_leaves_the_others_their_replies(
+        self, redis_client: aioredis.Redis
+    ) -> None:
+        slow = asyncio.ensure_future(resp.execute(redis_client, resp.pack(["ECHO", "x"])))
+        other = asyncio.ensure_future(resp.execute(redis_client, resp.pack(["ECHO", "y"])))
+        await asyncio.sleep(0)
+        slow.cancel()
+        assert await other == b"y"
+        assert await resp.execute(redis_client, resp.pack(["ECHO", "z"])) == b"z"
+
+    async def test_an_unreachable_redis_fails_every_caller(self) -> None:
+        client = aioredis.Redis.from_url(
+            "redis://127.0.0.1:1/0", socket_timeout=0.5, socket_connect_timeout=0.5
+        )
+        try:
+            got = await asyncio.gather(
+                *(resp.execute(client, resp.pack(["PING"])) for _ in range(3)),
+                return_exceptions=True,
+            )
+        finally:
+            await client.aclose()
+        assert all(isinstance(g, RedisConnectionError) for g in got), got
