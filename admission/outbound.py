@@ -120,10 +120,11 @@ class BoundedProducer(Generic[T]):
 
     def _accept(self, item: T) -> bool:
         """Queue ``item`` and wake the sender; False (nothing queued) when full."""
-        if self.depth >= self.capacity:
+        queue = self._queue
+        if len(queue) + len(self._inflight) >= self.capacity:
             return False
-        self._last += 1
-        self._queue.append((self._last, item))
+        self._last = seq = self._last + 1
+        queue.append((seq, item))
         self._wakeup.set()
         return True
 

@@ -1,13 +1,13 @@
 """Publish refused admissions to ``budget.refusals`` without waiting: bounded, drops counted.
 
 A refusal is history, not accounting: nothing waits for it, nothing retries it for long.
-The admit path hands it over (:meth:`KafkaRefusals.offer`, O(1), never blocks); a
-background task (:class:`~spendgate.admission.outbound.BoundedProducer`'s sender) wakes at
-most once per linger (0.1 s) and sends what queued meanwhile (up
-to 1,000 a pass) as one record batch per partition with ``acks=1``, never awaited on the
-admit path. (Sent one by one, a refusal cost 1.42x the server CPU of a refused request
-before refusals were published, at one connection; ``bench.admission_ab``.) When the
-bounded buffer is full (Kafka slow or down), the refusal is dropped and counted in
+The admit path hands it over (:meth:`KafkaRefusals.offer`, O(1), never blocks); the
+background sender (:class:`~spendgate.admission.outbound.BoundedProducer`'s, woken by an
+event) lingers 0.1 s and sends what queued meanwhile (up to 1,000 a pass) as one record
+batch per partition with ``acks=1``, never awaited on the admit path. (Sent one by one, a
+refusal cost 1.42x the server CPU of a refused request before refusals were published, at
+one connection; ``bench.admission_ab``.) When the bounded buffer is full (Kafka slow or
+down), the refusal is dropped and counted in
 ``spendgate_admission_refusals_total{result="dropped"}``; ``simulate`` reports how many
 were dropped, since history is incomplete there: once the publisher can send again it
 publishes a :class:`schemas.refusals.RefusalGap` (how many, since when) on the same topic.
