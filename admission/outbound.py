@@ -212,14 +212,16 @@ class BoundedProducer(Generic[T]):
         return self
 
     async def _close(self, flush_s: float, stop_s: float | None = None) -> None:
-        """Wait up to ``flush_s`` for what is accepted, stop the sender, then stop the
+        """Wait up to ``flush_s`` until the buffer is empty, stop the sender, then stop the
         producer within ``stop_s`` (by default what is left of ``flush_s``, at least
         0.5 s: with the broker gone, stopping would otherwise wait out every batch). What
         is still unsettled stays for the subclass to report."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + flush_s
-        if self.depth and flush_s > 0:
-            await self.flush(flush_s)
+        # Drained, not only flushed: what is accepted while it waits is waited for too.
+        while self.depth and (left := deadline - loop.time()) > 0:
+            if not await self.flush(left):
+                break
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -157,3 +157,18 @@ class TestFlush:
         assert loop.time() - started < 0.5
         assert out.stub.stopped and out._task is not None and out._task.done()
         assert out.depth == 1  # left for the owner to report
+
+    async def test_closing_drains_what_is_accepted_while_it_waits(self) -> None:
+        out = Recording(capacity=10)
+        await out.__aenter__()
+        out._accept("a")
+        await _until(lambda: "a" in out.sent)
+        closing = asyncio.create_task(out._close(5.0))
+        out._accept("b")  # arrives during the drain
+        await _until(lambda: "b" in out.sent)
+        out.ack("a")
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # "b" is still in flight
+        out.ack("b")
+        await asyncio.wait_for(closing, 1.0)
+        assert out.depth == 0 and out.stub.stopped
