@@ -1,5 +1,8 @@
-"""What a client's ``generation`` and ``stream`` blocks yield: the decision, the usage
-reported, and for streams what is reserved so far and how it grows."""
+"""What the client's ``generation`` and ``stream`` blocks yield.
+
+A :class:`Generation` holds the decision and the usage reported; a :class:`Stream` also
+what is reserved so far and how it grows (sync and async flavours).
+"""
 
 from __future__ import annotations
 

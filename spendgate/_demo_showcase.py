@@ -1,6 +1,8 @@
-"""The enforcement actions the demo shows once each on tenant ``hooli``
-(``examples/demo-policies.yaml``): a burst, a route, a stream stopped by a refused extend,
-an overage and a delay."""
+"""The enforcement actions the demo shows once each on tenant ``hooli``.
+
+On ``examples/demo-policies.yaml``: a burst, a route, a stream stopped by a refused extend,
+an overage and a delay.
+"""
 
 from __future__ import annotations
 
