@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from spendgate.admission.admit import DEFAULT_DELAY_WAITERS, AdmitEndpoint, AdmitService
 from spendgate.admission.auth import Authorizer
@@ -39,17 +39,22 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024
 
 
 class AdmissionAPI(FastAPI):
-    """The FastAPI app with ``POST /v1/admit`` served in front of its middleware stack."""
+    """The FastAPI app with ``POST /v1/admit`` served in front of it.
 
-    def build_middleware_stack(self) -> ASGIApp:
-        """The framework's stack, behind :class:`admission.admit.AdmitEndpoint`."""
-        state: AdmissionState = self.state.admission
-        return AdmitEndpoint(
-            super().build_middleware_stack(),
-            service=state.admits,
-            authorizer=state.authorizer,
-            max_body_bytes=state.max_body_bytes,
-        )
+    The fast path (:class:`admission.admit.AdmitEndpoint`) comes before FastAPI's own
+    ``__call__``: an admit it serves skips the framework's per-request work (its
+    OpenTelemetry check reads the environment on every request; nothing in spendgate
+    configures OpenTelemetry), and everything else goes on to :meth:`framework`.
+    """
+
+    front: ASGIApp
+
+    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI's handling of a request (every request but the fast path's admits)."""
+        await super().__call__(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.front(scope, receive, send)
 
 
 def create_app(
@@ -97,6 +102,7 @@ def create_app(
         settler=Settler(store, publisher, local),
         max_body_bytes=max_body_bytes,
     )
+    app.front = AdmitEndpoint(app.framework, admits, app.state.admission.authorizer, max_body_bytes)
     app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     install_handlers(app)
     app.include_router(api)
