@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
 
 import pytest
+from pydantic import ValidationError
 
+from spendgate.schemas.decisions import AdmitRequest
 from spendgate.schemas.prices import ModelPrice, PriceCatalog
 from spendgate.schemas.redis_keys import request_key
 from tests.fixtures.admission import MakeAdmission, RecordingPublisher
@@ -380,6 +383,33 @@ class TestBadInput:
         answer = await adm.http.post("/v1/admit", content=content, headers=headers)
         assert answer.status_code == status
         assert answer.json()["error"]["code"] == code
+
+    async def test_a_body_the_fast_path_hands_on_is_decided_alike_by_the_route(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        # A UTF-8 byte order mark: Python's JSON reading (the framework's) skips it,
+        # pydantic's does not, so the fast path hands the body on to the FastAPI route.
+        adm = await make_admission()
+        policy = policy_factory(limit=100, unit="input_tokens")
+        await adm.policies(policy)
+        body = json.dumps(
+            {
+                "request_id": uuid.uuid4().hex,
+                "subject": {"tenant": "bom", "model": "m1"},
+                "estimate": {"input_tokens": 60},
+            }
+        ).encode()
+        marked = b"\xef\xbb\xbf" + body
+        with pytest.raises(ValidationError):
+            AdmitRequest.model_validate_json(marked)
+        headers = {"content-type": "application/json"}
+        fast = await adm.http.post("/v1/admit", content=body, headers=headers)
+        routed = await adm.http.post("/v1/admit", content=marked, headers=headers)
+        assert fast.status_code == routed.status_code == 200
+        # The same request id: the route answers the first decision, byte for byte.
+        assert routed.content == fast.content
+        assert routed.headers["content-type"] == fast.headers["content-type"]
+        assert await adm.pending(f"{policy.id}|tenant=bom") == 60  # reserved once
 
     async def test_unknown_route_and_method_are_json_errors(
         self, make_admission: MakeAdmission
