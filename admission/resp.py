@@ -49,16 +49,29 @@ _Batch = list[tuple[bytes, "asyncio.Future[Any]"]]
 
 
 def _settle(batch: _Batch, exc: BaseException) -> None:
+    # A cancellation of the sender (the loop shutting down) cancels its callers; any other
+    # failure is each caller's own error.
     for _, future in batch:
-        if not future.done():
+        if future.done():
+            continue
+        if isinstance(exc, asyncio.CancelledError):
+            future.cancel()
+        else:
             future.set_exception(exc)
+
+
+def _live(batch: _Batch) -> _Batch:
+    """The commands whose callers still wait: a caller cancelled before the write sends
+    nothing (as an unpipelined call cancelled before its send)."""
+    return [item for item in batch if not item[1].done()]
 
 
 class _Pipe:
     """The commands handed to one client within one turn of one event loop."""
 
     def __init__(self, client: aioredis.Redis, loop: asyncio.AbstractEventLoop) -> None:
-        self.client = client
+        # The pool, not the client: the client is this pipe's key in a weak mapping.
+        self.pool = client.connection_pool
         self.loop = loop
         self.queue: _Batch = []
         self.running: set[asyncio.Task[None]] = set()
@@ -79,7 +92,10 @@ class _Pipe:
     async def _send(self, batch: _Batch) -> None:
         # Every failure reaches the callers through their futures; only a cancellation
         # (the loop shutting down) propagates from this task.
-        pool = self.client.connection_pool
+        batch = _live(batch)
+        if not batch:
+            return
+        pool = self.pool
         try:
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         except BaseException as exc:
@@ -88,7 +104,9 @@ class _Pipe:
                 raise
             return
         try:
-            await self._exchange(conn, batch)
+            batch = _live(batch)
+            if batch:
+                await self._exchange(conn, batch)
         finally:
             await pool.release(conn)
 

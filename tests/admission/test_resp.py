@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from spendgate.admission import resp
+from tests.fixtures.services import Services
 
 ARGS = st.lists(
     st.one_of(st.binary(max_size=40), st.text(max_size=40), st.integers(-(2**63), 2**63 - 1)),
@@ -113,3 +115,34 @@ class TestPipelining:
         finally:
             await client.aclose()
         assert all(isinstance(g, RedisConnectionError) for g in got), got
+
+    async def test_a_caller_cancelled_before_the_write_sends_nothing(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        key = f"{key_prefix}cancelled"
+        gone = asyncio.ensure_future(resp.execute(redis_client, resp.pack(["INCR", key])))
+        await asyncio.sleep(0)  # handed over; the batch goes out on the next turn
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert await resp.execute(redis_client, resp.pack(["ECHO", "after"])) == b"after"
+        assert await redis_client.get(key) is None
+
+    async def test_a_connection_lost_mid_batch_fails_only_the_unread_replies(
+        self, services: Services, key_prefix: str
+    ) -> None:
+        # A blocking pop holds its reply past the socket timeout: the read fails there,
+        # redis-py drops the connection, and the commands behind it were never read.
+        client = aioredis.Redis.from_url(services.redis_url, socket_timeout=0.3)
+        try:
+            got = await asyncio.gather(
+                resp.execute(client, resp.pack(["ECHO", "read"])),
+                resp.execute(client, resp.pack(["BLPOP", f"{key_prefix}empty", "2"])),
+                resp.execute(client, resp.pack(["ECHO", "unread"])),
+                return_exceptions=True,
+            )
+            assert got[0] == b"read"
+            assert all(isinstance(g, RedisTimeoutError) for g in got[1:]), got
+            assert await resp.execute(client, resp.pack(["ECHO", "again"])) == b"again"
+        finally:
+            await client.aclose()
