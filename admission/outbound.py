@@ -135,9 +135,18 @@ class BoundedProducer(Generic[T]):
         return taken
 
     def _requeue(self, seq: int, item: T) -> None:
-        """Put an in-flight item back at the head of the buffer (it is retried)."""
+        """Put an in-flight item back at the head of the buffer (it is retried), in
+        acceptance order among the others put back: a pass that failed as a whole (its
+        callbacks run one by one) is sent again in the order it was accepted, so a
+        reservation's reserve still reaches Kafka before its commit."""
         self._inflight.pop(seq, None)
-        self._queue.appendleft((seq, item))
+        queue = self._queue
+        at = 0
+        # Only items put back precede newer ones at the head: the scan stops at once
+        # past them.
+        while at < len(queue) and queue[at][0] < seq:
+            at += 1
+        queue.insert(at, (seq, item))
         self._wakeup.set()
 
     def _settle(self, seqs: Iterable[int]) -> None:

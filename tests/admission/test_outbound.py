@@ -113,6 +113,16 @@ class TestWakeUp:
             await _until(lambda: len(out.passes) == 2)
             assert out.passes == [["a"], ["a"]]
 
+    async def test_a_pass_failed_as_a_whole_is_sent_again_in_acceptance_order(self) -> None:
+        async with Recording(capacity=10) as out:
+            for item in "abc":
+                out._accept(item)
+            await _until(lambda: len(out.sent) == 3)
+            for item in "abc":  # each callback puts its item back, first to last
+                out.fail(item)
+            await _until(lambda: sum(len(p) for p in out.passes) >= 6)
+            assert [x for p in out.passes[1:] for x in p] == ["a", "b", "c"]
+
 
 class TestFlush:
     async def test_flush_returns_once_what_was_accepted_before_it_is_settled(self) -> None:
