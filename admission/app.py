@@ -44,7 +44,10 @@ class AdmissionAPI(FastAPI):
     The fast path (:class:`admission.admit.AdmitEndpoint`) comes before FastAPI's own
     ``__call__``: an admit it serves skips the framework's per-request work (its
     OpenTelemetry check reads the environment on every request; nothing in spendgate
-    configures OpenTelemetry), and everything else goes on to :meth:`framework`.
+    configures OpenTelemetry), and everything else goes on to :meth:`framework`. So an
+    operator who turns on FastAPI's own telemetry sees every request but the admits the
+    fast path served (those handed on to the route are seen); spendgate's Prometheus
+    metrics count every admit.
     """
 
     front: ASGIApp
