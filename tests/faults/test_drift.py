@@ -36,7 +36,7 @@ PER_TENANT = 40
 KEYS_PER_S = 4
 #: How often this test looks at the altered windows.
 POLL_S = 0.1
-#: The worker's drift check runs on a 1-second timer (streams/app.py ``drift_check``).
+#: The worker's drift check runs on a 1-second timer (streams/drift.py ``DriftCheck.tick``).
 TICK_S = 1.0
 
 

@@ -194,7 +194,7 @@ class TestWorkerCrash:
         markers_before = set(redis_sync.scan_iter(match=f"{prefix}worker:*"))
         workers.start("second")
         # A starting worker finds no mark of its own and rewrites every window from its
-        # table (streams/app.py keep_redis) from a snapshot taken before it awaits each
+        # table (streams/keeper.py RedisKeeper.run) from a snapshot taken before it awaits each
         # write; records applied meanwhile can be overwritten by that snapshot (a race
         # reported apart). Producing only once its mark is set keeps this test on its own
         # claim: the table itself came back from the changelog.
