@@ -107,6 +107,22 @@ def process(
 NAMESPACE_DIRS = ("schemas", "streams", "admission", "dashboard")
 
 
+def checkout_label(root: Path) -> str:
+    """A checkout's last commit (hash and subject) and how many tracked files differ from it,
+    for a benchmark's header."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *argv], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip()
+
+    dirty = len(git("status", "--porcelain", "--untracked-files=no").splitlines())
+    return git("log", "-1", "--format=%h %s")[:70] + (
+        f" + {dirty} uncommitted file(s)" if dirty else ""
+    )
+
+
 def namespace_tree(checkout: Path, dest: Path) -> Path:
     """A tree of links laid out as ``checkout`` installs (as ``scripts/check`` builds for
     mypy): ``dest/spendgate/`` a real folder holding a link to each entry of

@@ -63,16 +63,7 @@ class Side:
         }
 
     def git(self) -> str:
-        def git(*argv: str) -> str:
-            done = subprocess.run(
-                ["git", "-C", str(self.root), *argv], capture_output=True, text=True, check=False
-            )
-            return done.stdout.strip()
-
-        dirty = len(git("status", "--porcelain", "--untracked-files=no").splitlines())
-        return git("log", "-1", "--format=%h %s")[:70] + (
-            f" + {dirty} uncommitted file(s)" if dirty else ""
-        )
+        return c.checkout_label(self.root)
 
     def own_code(self, tmp: Path) -> tuple[dict[str, str], Path]:
         """The environment and working directory that run this checkout's ``spendgate``

@@ -292,16 +292,7 @@ class Side:
         return out
 
     def git(self) -> str:
-        def git(*argv: str) -> str:
-            done = subprocess.run(
-                ["git", "-C", str(self.root), *argv], capture_output=True, text=True, check=False
-            )
-            return done.stdout.strip()
-
-        dirty = len(git("status", "--porcelain", "--untracked-files=no").splitlines())
-        return git("log", "-1", "--format=%h %s")[:70] + (
-            f" + {dirty} uncommitted file(s)" if dirty else ""
-        )
+        return c.checkout_label(self.root)
 
 
 def _start(side: Side, stack: ExitStack, tmp: Path, client: Any) -> None:
