@@ -85,7 +85,12 @@ class MarkKeeper(Protocol):
         """This worker's presence key, written with every mark."""
 
     def advance(self, lasts: Iterable[Last]) -> list[MarkWrite]:
-        """The marks a batch that applied up to ``lasts`` advances."""
+        """The marks a batch that applied up to ``lasts`` advances, changing nothing: a
+        Redis step that fails leaves the bookkeeping as it was."""
+
+    def advanced(self, lasts: Iterable[Last], marks: Iterable[MarkWrite]) -> None:
+        """Redis has what the batch applied up to ``lasts``, and ``marks`` (from
+        :meth:`advance`) were sent with it: note the positions and claims."""
 
     def noted(self, reply: MarkReply | None) -> None:
         """Act on the mark script's reply (a loss of Redis data, fenced writes)."""
@@ -218,11 +223,16 @@ class BatchCommit:
         due = [w for part in parts for w in part.result.writes if w.redis_due]
         try:
             later = any(part.result.remote for part in parts)
-            marks = [] if later else self.marks.advance([part.last for part in parts])
+            lasts = [part.last for part in parts]
+            marks = [] if later else self.marks.advance(lasts)
             reply = await self.redis.write_batch(
                 self._with_unmirrored(due), marks, self.marks.presence
             )
             self.unmirrored.clear()
+            if not later:
+                # Only now: noted before, a failed write would leave the idle marks
+                # vouching for windows Redis lacks.
+                self.marks.advanced(lasts, marks)
         finally:
             self.in_flight.difference_update(touched)
         self.marks.noted(reply)
@@ -237,8 +247,11 @@ class BatchCommit:
             sent += [await self.outbox.alert(a) for a in part.result.alerts]
         await asyncio.gather(*sent)
         if any(part.result.remote for part in parts):
-            marks = self.marks.advance([part.last for part in parts])
-            self.marks.noted(await self.redis.write_marks(marks, self.marks.presence))
+            lasts = [part.last for part in parts]
+            marks = self.marks.advance(lasts)
+            reply = await self.redis.write_marks(marks, self.marks.presence)
+            self.marks.advanced(lasts, marks)
+            self.marks.noted(reply)
 
     def _carry(self, written: Sequence[KeyWrite]) -> None:
         """Keep ``written`` (in the table, maybe not in Redis) for the next step 4."""

@@ -4,7 +4,8 @@ Every 0.5 s, and at once after an assignment or a loss of Redis data, :class:`Re
 claims the owned partitions (a fencing token each), publishes the policies, rewrites the
 windows of partitions new to this worker from the table, and advances the marks of the
 caught-up partitions (``streams.marks``); the batch commit (``streams.commit``) advances
-the others' marks through :meth:`RedisKeeper.advance`.
+the others' marks through :meth:`RedisKeeper.advance`, and notes them through
+:meth:`RedisKeeper.advanced` once Redis has the batch.
 """
 
 from __future__ import annotations
@@ -266,20 +267,33 @@ class RedisKeeper:
     # -- the batch commit's side (streams.commit.MarkKeeper) ------------------------------
 
     def advance(self, lasts: Iterable[Last]) -> list[MarkWrite]:
-        """The marks a batch advances, having applied up to each of ``lasts``."""
+        """The marks a batch that applied up to each of ``lasts`` advances, computed only:
+        nothing is noted until Redis has the batch (:meth:`advanced`), so a batch whose
+        Redis step failed leaves the positions as they were and the idle marks wait for
+        it (they age: admission then refuses, which is safe)."""
         tokens, restoring = self.watermarks.owned(), self.watermarks.restoring()
         out = []
         for topic, partition, offset, broker_ms in lasts:
-            self.handled[(topic, partition)] = offset + 1
             field = self.field_of(topic, partition)
             if field is None or field not in tokens:
                 continue
-            w = self.watermarks.applied(field, offset + 1, broker_ms)
+            w = self.watermarks.would_apply(field, offset + 1, broker_ms)
             # Until its windows are restored, what this worker applied may not all be in
             # Redis (a record in the table the last owner never wrote there).
             position = None if field in restoring else offset + 1
             out.append(MarkWrite(field, tokens[field], w, position=position))
         return out
+
+    def advanced(self, lasts: Iterable[Last], marks: Iterable[MarkWrite]) -> None:
+        """Redis has what a batch applied up to each of ``lasts`` (its windows, and its
+        keyed batches are acked), and ``marks`` (from :meth:`advance`) were sent with it:
+        the positions move, and the claims become the floor of the next ones."""
+        sent = {m.field: m for m in marks}
+        for topic, partition, offset, _ in lasts:
+            self.handled[(topic, partition)] = offset + 1
+            field = self.field_of(topic, partition)
+            if field is not None and (m := sent.get(field)) is not None:
+                self.watermarks.note_applied(field, offset + 1, m.watermark_ms, m.token)
 
     def noted(self, reply: MarkReply | None) -> None:
         """Act on what the mark script said: a loss of Redis data, fenced writes."""

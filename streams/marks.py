@@ -150,15 +150,48 @@ class Watermarks:
 
     def applied(self, field: str, position: int, last_broker_ms: int) -> int | None:
         """The data path: every record before ``position`` is applied, the last of them
-        appended at ``last_broker_ms``. Returns the watermark to write, or None."""
+        appended at ``last_broker_ms``. Returns the watermark to write, or None.
+
+        :meth:`would_apply` then :meth:`note_applied` in one step."""
+        watermark = self.would_apply(field, position, last_broker_ms)
+        self.note_applied(field, position, watermark)
+        return watermark
+
+    def would_apply(self, field: str, position: int, last_broker_ms: int) -> int | None:
+        """The watermark :meth:`applied` would claim, changing nothing: a batch computes
+        its marks before Redis has its windows, and notes them (:meth:`note_applied`)
+        only once it has them."""
         owned = self._owned.get(field)
         if owned is None:
             return None
-        owned.position = max(position, owned.position or 0)
+        position = max(position, owned.position or 0)
         if is_keyed(field):
             # Usage marks read by Redis no later than this keyed record's append time.
-            return self._claim(owned, self._upstream(last_broker_ms - 1 - self.skew_ms))
-        return self._claim(owned, last_broker_ms - 1)
+            candidate = self._upstream(last_broker_ms - 1 - self.skew_ms)
+        else:
+            candidate = last_broker_ms - 1
+        return self._would_claim(owned, position, candidate)
+
+    def note_applied(
+        self, field: str, position: int, watermark: int | None, token: int | None = None
+    ) -> None:
+        """Every record of ``field`` before ``position`` is in Redis, and ``watermark``
+        (from :meth:`would_apply`; None: none) was sent with it.
+
+        Args:
+            field: the mark field.
+            position: the next offset to apply.
+            watermark: the claim sent; it becomes the floor of the next ones.
+            token: the token it was sent with: claimed again meanwhile under another
+                token, the position still holds (Redis has the records) but the claim does
+                not count for the new one (None: the current token).
+        """
+        owned = self._owned.get(field)
+        if owned is None:
+            return
+        owned.position = max(position, owned.position or 0)
+        if token is None or token == owned.token:
+            self._settle(owned, watermark)
 
     def idle(self, field: str, clock_ms: int, end: int, position: int | None) -> int | None:
         """The timer: the Redis clock read ``clock_ms`` before the end offset ``end`` was
@@ -181,16 +214,32 @@ class Watermarks:
         return self._claim(owned, clock_ms - 1 - self.skew_ms)
 
     def _claim(self, owned: _Owned, candidate: int | None) -> int | None:
+        watermark = self._would_claim(owned, owned.position, candidate)
+        self._settle(owned, watermark)
+        return watermark
+
+    @staticmethod
+    def _would_claim(owned: _Owned, position: int | None, candidate: int | None) -> int | None:
+        """``candidate`` if ``owned`` at ``position`` may claim it (none of it changed)."""
         if owned.restoring or owned.hold in (_TAKE_END, _AFTER_USAGE):
             return None
-        if owned.hold is not None:
-            if owned.position is None or owned.position < owned.hold:
-                return None
-            owned.hold = None
+        if owned.hold is not None and (position is None or position < owned.hold):
+            return None
         if candidate is None or (owned.claimed is not None and candidate <= owned.claimed):
             return None
-        owned.claimed = candidate
         return candidate
+
+    @staticmethod
+    def _settle(owned: _Owned, watermark: int | None) -> None:
+        """``owned`` past its hold (its position reached it), ``watermark`` claimed."""
+        if owned.restoring or owned.hold in (_TAKE_END, _AFTER_USAGE):
+            return
+        if owned.hold is not None:
+            if owned.position is None or owned.position < owned.hold:
+                return
+            owned.hold = None
+        if watermark is not None and (owned.claimed is None or watermark > owned.claimed):
+            owned.claimed = watermark
 
     def _usage_complete(self) -> bool:
         return bool(self._samples) and self._samples[-1][1] is not None

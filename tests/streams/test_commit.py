@@ -10,16 +10,21 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from aiokafka import TopicPartition
 
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
 from spendgate.streams.commit import BatchCommit, Folded, Last
 from spendgate.streams.effects import FoldResult, KeyWrite, Refusal
 from spendgate.streams.fold import UsageRecord, fold_usage
+from spendgate.streams.health import WorkerHealth
+from spendgate.streams.keeper import RedisKeeper
 from spendgate.streams.ledger import KeyState
+from spendgate.streams.marks import Claim
 from spendgate.streams.remote import RemoteBatch
 from spendgate.streams.rules import Rules
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
+from spendgate.streams.settings import WorkerSettings
 
 BASE_MS = 1_800_000_000_000
 #: Grouped by tenant: applied in the usage record's own partition.
@@ -149,6 +154,9 @@ class MemoryMarks:
             for t in lasts
         ]
 
+    def advanced(self, lasts: Iterable[Last], marks: Iterable[MarkWrite]) -> None:
+        self.rec.log.append(("advanced", list(lasts)))
+
     def noted(self, reply: MarkReply | None) -> None:
         self.rec.log.append(("noted", reply))
 
@@ -192,7 +200,12 @@ class MemoryOffsets:
 class Rig:
     """A BatchCommit over the stand-ins above."""
 
-    def __init__(self, policies: Sequence[Policy] = (LOCAL,), fail_on: int | None = None):
+    def __init__(
+        self,
+        policies: Sequence[Policy] = (LOCAL,),
+        fail_on: int | None = None,
+        marks: Any = None,
+    ):
         self.rec = Recorder()
         self.in_flight: set[str] = set()
         self.fold = Folder(self.rec, policies, fail_on)
@@ -204,7 +217,7 @@ class Rig:
             self.fold,
             self.table,
             self.redis,
-            MemoryMarks(self.rec),
+            MemoryMarks(self.rec) if marks is None else marks,
             self.outbox,
             MemoryOffsets(self.rec),
             in_flight=self.in_flight,
@@ -228,8 +241,9 @@ class TestBatchCommitSteps:
             "table",  # 2.
             "fold",  # 1. partition 1
             "table",  # 2.
-            "advance",  # 4. the marks go with the windows (no keyed batches)
+            "advance",  # 4. the marks go with the windows (no keyed batches) ...
             "redis",
+            "advanced",  # ... and are noted once Redis has them
             "noted",
             "send",  # 5. the alert, once the state is in the table and in Redis
             "acked",
@@ -284,6 +298,7 @@ class TestBatchCommitSteps:
             "acked",
             "advance",  # ... the marks once the keyed batches are acked
             "marks",
+            "advanced",
             "noted",
             "done",
             "offsets",
@@ -308,6 +323,7 @@ class TestBatchCommitFailures:
         with pytest.raises(ConnectionError):
             await rig.commit.run(BATCH)
         assert rig.rec.steps()[-2:] == ["redis", "forget"]
+        assert not rig.rec.of("advanced")  # the marks computed, never noted
         assert not rig.rec.of("offsets") and not rig.rec.of("send") and not rig.done
         assert rig.in_flight == set()
 
@@ -317,7 +333,8 @@ class TestBatchCommitFailures:
         with pytest.raises(ConnectionError):
             await rig.commit.run(BATCH)
         assert rig.rec.steps()[-1] == "forget"
-        assert not rig.rec.of("marks") and not rig.rec.of("offsets") and not rig.done
+        assert not rig.rec.of("marks") and not rig.rec.of("advanced")
+        assert not rig.rec.of("offsets") and not rig.done
 
     async def test_when_a_fold_fails_nothing_of_the_batch_reaches_redis(self) -> None:
         rig = Rig(fail_on=1)
@@ -380,3 +397,89 @@ class TestBatchCommitFailures:
         rig.rec.log.clear()
         await again.run(BATCH)
         assert rig.rec.of("redis")[0][1] == ["ten|tenant=acme", "ten|tenant=bolt"]
+
+
+class KeeperRedis:
+    """Redis as the keeper's idle tick sees it: its clock, and the marks written."""
+
+    def __init__(self, now_ms: int) -> None:
+        self.now_ms = now_ms
+        self.marks: list[MarkWrite] = []
+
+    async def sample(self, fields: Sequence[str]) -> tuple[int, list[int | None]]:
+        return self.now_ms, [None] * len(fields)
+
+    async def write_marks(self, marks: Sequence[MarkWrite], presence: str) -> MarkReply:
+        self.marks += marks
+        return MarkReply(True, len(marks), 0)
+
+
+class EndOffsets:
+    """The broker's end (and start) offsets, as the keeper asks for them."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+
+    async def ends(self, tps: Iterable[Any]) -> dict[Any, int]:
+        return dict.fromkeys(tps, self.end)
+
+    async def starts(self, tps: Iterable[Any]) -> dict[Any, int]:
+        return dict.fromkeys(tps, 0)
+
+
+class TestMarksAfterAFailedRedisStep:
+    """The real RedisKeeper behind the commit: usage partition 0 owned, committed and
+    vouched for up to offset 5 (mark at BASE_MS), the batch's records 5 and 6 the last in
+    the partition (end offset 7)."""
+
+    TP = TopicPartition("usage", 0)
+
+    def keeper(self) -> RedisKeeper:
+        consumer = SimpleNamespace(
+            assignment=lambda: {self.TP},
+            topic_partitions=lambda topic: 1,
+            _committed_offset={self.TP: 5},
+        )
+        app = SimpleNamespace(consumer=consumer, consumer_generation_id=1)
+        settings = WorkerSettings(topic_prefix="", mark_clock_skew_ms=0)
+        redis = KeeperRedis(BASE_MS + 60_000)
+        keeper = RedisKeeper(app, settings, SimpleNamespace(), redis, None, WorkerHealth())  # type: ignore[arg-type]
+        keeper.offsets = EndOffsets(7)  # type: ignore[assignment]
+        keeper.watermarks.assign({"usage:0": Claim(1, BASE_MS, position=5)}, moved=[])
+        return keeper
+
+    async def idle_mark(self, keeper: RedisKeeper) -> MarkWrite:
+        await keeper.advance_idle()
+        redis = keeper.materializer
+        assert isinstance(redis, KeeperRedis)
+        return redis.marks.pop()
+
+    async def test_the_keeper_notes_nothing_and_the_idle_mark_waits(self) -> None:
+        keeper = self.keeper()
+        rig = Rig(marks=keeper)
+        rig.redis.fail = ConnectionError("Redis is gone")
+        with pytest.raises(ConnectionError):
+            await rig.commit.run([event(0, 5, "acme"), event(0, 6, "acme")])
+        assert keeper.handled == {}
+        assert keeper.watermarks.position("usage:0") == 5
+        (health,) = keeper.watermarks.health(BASE_MS, 30_000)
+        assert health.watermark_ms == BASE_MS
+        # Caught up as far as the keeper knows only up to 5 of 7: no idle claim (before,
+        # it counted the batch as applied and vouched for a Redis without its windows).
+        assert await self.idle_mark(keeper) == MarkWrite("usage:0", 1, None, 2, 5)
+
+    async def test_once_the_carry_is_written_the_positions_and_the_marks_move(self) -> None:
+        keeper = self.keeper()
+        rig = Rig(marks=keeper)
+        batch = [event(0, 5, "acme"), event(0, 6, "acme")]
+        rig.redis.fail = ConnectionError("Redis is gone")
+        with pytest.raises(ConnectionError):
+            await rig.commit.run(batch)
+        rig.redis.fail = None
+        await rig.commit.run(batch)
+        (_, keys, marks, _) = rig.rec.of("redis")[-1]
+        assert keys == ["ten|tenant=acme"]
+        assert marks == [MarkWrite("usage:0", 1, BASE_MS + 5_999, position=7)]
+        assert keeper.handled == {("usage", 0): 7}
+        assert keeper.watermarks.position("usage:0") == 7
+        assert await self.idle_mark(keeper) == MarkWrite("usage:0", 1, BASE_MS + 59_999, 0, 7)

@@ -273,3 +273,36 @@ class TestPositionHandover:
         wm.restored([F])
         assert wm.position(F) is None
         assert wm.idle(F, 9_000, 40, 30) is None  # held: the end (40) is not reached
+
+
+class TestTwoPhase:
+    def test_what_a_batch_would_claim_changes_nothing_until_it_is_noted(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(1, 1_000, position=5)}, moved=[])
+        assert wm.would_apply(F, 8, 2_000) == 1_999
+        assert wm.would_apply(F, 8, 2_000) == 1_999  # again: nothing claimed yet
+        assert wm.position(F) == 5
+        # The batch not noted (its Redis step failed): not caught up with the end (8).
+        assert wm.idle(F, 9_000, 8, None) is None
+        wm.note_applied(F, 8, 1_999)
+        assert wm.position(F) == 8
+        assert wm.applied(F, 8, 2_000) is None  # the claim noted is the floor now
+        assert wm.idle(F, 9_000, 8, None) == 8_999
+
+    def test_a_claim_noted_under_an_older_token_moves_only_the_position(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(1, 1_000, position=5)}, moved=[])
+        w = wm.would_apply(F, 8, 2_000)
+        wm.assign({F: Claim(2, 1_000, position=5)}, moved=[])  # claimed again meanwhile
+        wm.note_applied(F, 8, w, token=1)
+        assert wm.position(F) == 8
+        assert wm.applied(F, 8, 2_000) == 1_999
+
+    def test_a_hold_is_passed_only_once_noted(self) -> None:
+        wm = Watermarks()
+        wm.assign({F: Claim(1, None)}, moved=[])
+        assert wm.idle(F, 1_000, 8, 5) is None  # the end taken: 8
+        assert wm.would_apply(F, 8, 2_000) == 1_999
+        assert [h.state for h in wm.health(2_000, 30_000)] == ["held"]
+        wm.note_applied(F, 8, 1_999)
+        assert [h.state for h in wm.health(2_000, 30_000)] == ["vouched"]
