@@ -42,8 +42,11 @@ def declare_agents(app: faust.App, worker: Worker) -> None:
         worker.dedupe_figures()
 
     @app.on_partitions_assigned.connect
-    def forget_positions(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
-        worker.on_assigned()
+    def forget_positions(
+        sender: Any, assigned: Any, /, *args: Any, signal: Any, **kwargs: Any
+    ) -> None:
+        # ``assigned``: the whole new assignment (faust sends it after the revocation).
+        worker.on_assigned(assigned)
 
     @app.on_rebalance_complete.connect
     def note_recovered(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:

@@ -25,10 +25,10 @@ from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
 from spendgate.streams import metrics
 from spendgate.streams.agents import declare_agents
-from spendgate.streams.commit import BatchCommit, Folded, Last, PartitionFold
+from spendgate.streams.commit import BatchCommit, Carried, Folded, Last, PartitionFold, drop_carried
 from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.drift import DriftCheck
-from spendgate.streams.effects import FoldResult, KeyWrite
+from spendgate.streams.effects import FoldResult
 from spendgate.streams.faust_io import FaustTable, StreamAcks, TopicOutbox
 from spendgate.streams.fold import KeyedMessage, UsageRecord, fold_keyed, fold_usage
 from spendgate.streams.gaps import Positions, committed_offset, missing_range, read_range
@@ -154,7 +154,7 @@ class Worker:
         #: Redis is behind there for a moment, which is not drift.
         self.in_flight: set[str] = set()
         #: Per agent: table writes Redis may not have (``BatchCommit.unmirrored``).
-        self.unmirrored: dict[str, dict[str, KeyWrite]] = {}
+        self.unmirrored: dict[str, dict[str, Carried]] = {}
         self.drift = DriftCheck(
             app,
             self.table,
@@ -323,11 +323,20 @@ class Worker:
 
     # -- what faust tells it --------------------------------------------------------------
 
-    def on_assigned(self) -> None:
-        """A rebalance: each partition starts again from the group's committed offset."""
+    def on_assigned(self, assigned: Iterable[Any]) -> None:
+        """A rebalance (``assigned``: every topic partition this worker owns now): each
+        partition starts again from the group's committed offset; the carried writes of
+        partitions gone to another worker are dropped (it restores them from the
+        changelog)."""
         self.split_positions.forget()
         self.account_positions.forget()
         self.states.forget()
+        tps = list(assigned)
+        for agent, carried in self.unmirrored.items():
+            topic = self.names[agent]
+            owned = {tp.partition for tp in tps if tp.topic == topic}
+            if dropped := drop_carried(carried, owned):
+                logger.info("dropped %d carried writes of %s partitions gone", dropped, topic)
         # ``keeper.handled`` stays: what this worker applied is in Redis whoever owns it.
         self.keeper.on_assigned()
 

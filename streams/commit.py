@@ -10,7 +10,7 @@ topics and stream in the worker (``streams.faust_io``), in-memory stand-ins in i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from spendgate.schemas.alerts import Alert
@@ -20,6 +20,7 @@ from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 
 __all__ = [
     "BatchCommit",
+    "Carried",
     "Folded",
     "Last",
     "MarkKeeper",
@@ -29,6 +30,7 @@ __all__ = [
     "RedisWriter",
     "StateTable",
     "by_partition",
+    "drop_carried",
 ]
 
 
@@ -48,6 +50,14 @@ class Folded(NamedTuple):
     events: Sequence[Any]
     result: FoldResult
     last: Last
+
+
+class Carried(NamedTuple):
+    """A table write Redis may not have (its batch failed before step 4 confirmed it),
+    with the source partition whose records made it (the table partition it lives in)."""
+
+    partition: int
+    write: KeyWrite
 
 
 #: Folds one partition's events of a batch (reading back records the stream skipped first).
@@ -153,8 +163,9 @@ class BatchCommit:
         in_flight: keys whose table value is newer than Redis until step 4 (shared with
             the drift check: not drift).
         done: called with the batch's partitions once it is written and sent.
-        unmirrored: the carried writes (kept by the caller across commits: a restarted
-            agent makes a new commit).
+        unmirrored: the carried writes by key (kept by the caller across commits: a
+            restarted agent makes a new commit; the caller drops those of partitions it
+            no longer owns, :func:`drop_carried`).
     """
 
     def __init__(
@@ -168,7 +179,7 @@ class BatchCommit:
         *,
         in_flight: set[str] | None = None,
         done: Callable[[Sequence[Folded]], None] | None = None,
-        unmirrored: dict[str, KeyWrite] | None = None,
+        unmirrored: dict[str, Carried] | None = None,
     ) -> None:
         self.fold = fold
         self.table = table
@@ -189,14 +200,14 @@ class BatchCommit:
             Each partition's part of the batch, in order of first appearance.
         """
         touched: set[str] = set()
-        written: list[KeyWrite] = []
+        written: list[Carried] = []
         parts: list[Folded] = []
         try:
             for partition, group in by_partition(events).items():
                 # 1. fold
                 result, last = await self.fold(partition, group)
                 # 2. table writes (no await until the keys are marked in flight)
-                written += result.writes
+                written += [Carried(partition, w) for w in result.writes]
                 self.table.write(group, result.writes)
                 keys = {w.key for w in result.writes}
                 self.in_flight.update(keys)
@@ -253,12 +264,13 @@ class BatchCommit:
             self.marks.advanced(lasts, marks)
             self.marks.noted(reply)
 
-    def _carry(self, written: Sequence[KeyWrite]) -> None:
+    def _carry(self, written: Sequence[Carried]) -> None:
         """Keep ``written`` (in the table, maybe not in Redis) for the next step 4."""
-        for w in written:
+        for carried in written:
+            w = carried.write
             if (older := self.unmirrored.get(w.key)) is not None:
-                _merge(w, older)
-            self.unmirrored[w.key] = w
+                _merge(w, older.write)
+            self.unmirrored[w.key] = carried
 
     def _with_unmirrored(self, due: list[KeyWrite]) -> list[KeyWrite]:
         """``due`` with the carried writes: merged into this batch's write of the same key
@@ -267,7 +279,7 @@ class BatchCommit:
             return due
         mine = {w.key: w for w in due}
         carried = []
-        for key, older in self.unmirrored.items():
+        for key, (_, older) in self.unmirrored.items():
             if (w := mine.get(key)) is not None:
                 _merge(w, older)
             elif older.redis_due:
@@ -281,6 +293,22 @@ def _merge(newer: KeyWrite, older: KeyWrite) -> None:
     newer.absorbed = {**older.absorbed, **newer.absorbed}
     if newer.overage is None:
         newer.overage = older.overage
+
+
+def drop_carried(unmirrored: dict[str, Carried], owned: Container[int]) -> int:
+    """Drop from ``unmirrored`` the carried writes of partitions not in ``owned``.
+
+    A partition that moved to another worker is restored there from the changelog; a
+    carried write sent later would overwrite what its new owner wrote since (an overage
+    mark is set without a version check).
+
+    Returns:
+        How many carried writes were dropped.
+    """
+    gone = [key for key, carried in unmirrored.items() if carried.partition not in owned]
+    for key in gone:
+        del unmirrored[key]
+    return len(gone)
 
 
 def by_partition(events: Sequence[Any]) -> dict[int, list[Any]]:

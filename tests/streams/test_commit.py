@@ -14,7 +14,7 @@ from aiokafka import TopicPartition
 
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
-from spendgate.streams.commit import BatchCommit, Folded, Last
+from spendgate.streams.commit import BatchCommit, Folded, Last, drop_carried
 from spendgate.streams.effects import FoldResult, KeyWrite, Refusal
 from spendgate.streams.fold import UsageRecord, fold_usage
 from spendgate.streams.health import WorkerHealth
@@ -377,6 +377,27 @@ class TestBatchCommitFailures:
         (_, (_, keys, _, _)) = rig.rec.of("redis")
         assert keys == ["ten|tenant=acme"]  # one write of the key, its newest state
         assert sum(rig.redis.windows["ten|tenant=acme"].buckets.values()) == 610
+
+    async def test_each_carried_write_keeps_its_source_partition(self) -> None:
+        rig = Rig()
+        rig.redis.fail = ConnectionError("Redis is gone")
+        with pytest.raises(ConnectionError):
+            await rig.commit.run(BATCH)
+        carried = {key: c.partition for key, c in rig.commit.unmirrored.items()}
+        assert carried == {"ten|tenant=acme": 0, "ten|tenant=bolt": 1}
+
+    async def test_the_carried_writes_of_a_partition_gone_are_dropped(self) -> None:
+        rig = Rig()
+        rig.redis.fail = ConnectionError("Redis is gone")
+        with pytest.raises(ConnectionError):
+            await rig.commit.run(BATCH)
+        # Partition 0 moved to another worker (it restores the key from the changelog).
+        assert drop_carried(rig.commit.unmirrored, {1}) == 1
+        assert set(rig.commit.unmirrored) == {"ten|tenant=bolt"}
+        rig.redis.fail = None
+        await rig.commit.run([event(1, 8, "bolt")])
+        assert rig.rec.of("redis")[-1][1] == ["ten|tenant=bolt"]
+        assert "ten|tenant=acme" not in rig.redis.windows
 
     async def test_the_carried_writes_outlive_the_commit(self) -> None:
         # faust restarts a crashed agent, which makes a new commit over the same dict.
