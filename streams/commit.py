@@ -231,14 +231,12 @@ class BatchCommit:
     async def _redis(self, parts: Sequence[Folded], touched: set[str]) -> None:
         """Step 4: the batch's windows (and those carried from a failed batch) and, unless
         it sent keyed batches, its marks, in one pipeline."""
-        due = [w for part in parts for w in part.result.writes if w.redis_due]
+        due = self._with_unmirrored([w for part in parts for w in part.result.writes])
         try:
             later = any(part.result.remote for part in parts)
             lasts = [part.last for part in parts]
             marks = [] if later else self.marks.advance(lasts)
-            reply = await self.redis.write_batch(
-                self._with_unmirrored(due), marks, self.marks.presence
-            )
+            reply = await self.redis.write_batch(due, marks, self.marks.presence)
             self.unmirrored.clear()
             if not later:
                 # Only now: noted before, a failed write would leave the idle marks
@@ -272,19 +270,19 @@ class BatchCommit:
                 _merge(w, older.write)
             self.unmirrored[w.key] = carried
 
-    def _with_unmirrored(self, due: list[KeyWrite]) -> list[KeyWrite]:
-        """``due`` with the carried writes: merged into this batch's write of the same key
-        (its state is newer), else as they were."""
-        if not self.unmirrored:
-            return due
-        mine = {w.key: w for w in due}
+    def _with_unmirrored(self, writes: list[KeyWrite]) -> list[KeyWrite]:
+        """Step 4's writes: the carried ones, each merged into this batch's write of its key
+        (the newer state; whether or not this batch changed the key's window), else as
+        they were; then this batch's, those Redis needs."""
         carried = []
-        for key, (_, older) in self.unmirrored.items():
-            if (w := mine.get(key)) is not None:
-                _merge(w, older)
-            elif older.redis_due:
-                carried.append(older)
-        return carried + due
+        if self.unmirrored:
+            mine = {w.key: w for w in writes}
+            for key, (_, older) in self.unmirrored.items():
+                if (w := mine.get(key)) is not None:
+                    _merge(w, older)
+                elif older.redis_due:
+                    carried.append(older)
+        return carried + [w for w in writes if w.redis_due]
 
 
 def _merge(newer: KeyWrite, older: KeyWrite) -> None:

@@ -13,9 +13,11 @@ import pytest
 from aiokafka import TopicPartition
 
 from spendgate.schemas.alerts import Alert
+from spendgate.schemas.overage import OverageMark
 from spendgate.schemas.policies import Policy
+from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.commit import BatchCommit, Folded, Last, drop_carried
-from spendgate.streams.effects import FoldResult, KeyWrite, Refusal
+from spendgate.streams.effects import Counts, FoldResult, KeyWrite, Refusal
 from spendgate.streams.fold import UsageRecord, fold_usage
 from spendgate.streams.health import WorkerHealth
 from spendgate.streams.keeper import RedisKeeper
@@ -91,6 +93,18 @@ class Folder:
         )
         last = records[-1]
         return result, Last("usage", partition, last.offset, last.broker_ms)
+
+
+class Scripted:
+    """Step 1 as a test scripts it: each call returns the next of ``writes``."""
+
+    def __init__(self, *writes: list[KeyWrite]) -> None:
+        self.writes = list(writes)
+
+    async def __call__(self, partition: int, events: Sequence[Any]) -> tuple[FoldResult, Last]:
+        result = FoldResult(self.writes.pop(0), [], [], [], Counts())
+        last = events[-1].message
+        return result, Last("usage", partition, last.offset, int(last.timestamp * 1000))
 
 
 class MemoryTable:
@@ -377,6 +391,36 @@ class TestBatchCommitFailures:
         (_, (_, keys, _, _)) = rig.rec.of("redis")
         assert keys == ["ten|tenant=acme"]  # one write of the key, its newest state
         assert sum(rig.redis.windows["ten|tenant=acme"].buckets.values()) == 610
+
+    async def test_a_carried_write_merges_into_a_write_of_its_key_leaving_the_window(
+        self,
+    ) -> None:
+        spec = WindowSpec(60_000, 1_000)
+        older, newer = KeyState(offsets={0: 5}), KeyState(offsets={0: 6})
+        overage = OverageMark(1_500, BASE_MS)
+        first = KeyWrite("k", older, spec, changed=True, window_changed=True, overage=overage)
+        # The next batch changed the key's state (a late record, say) but not its window:
+        # no Redis write of its own, yet the carried one must not go out with the older
+        # state and version.
+        second = KeyWrite("k", newer, spec, changed=True)
+        rig = Rig()
+        commit = BatchCommit(
+            Scripted([first], [second]),
+            rig.table,
+            rig.redis,
+            MemoryMarks(rig.rec),
+            rig.outbox,
+            MemoryOffsets(rig.rec),
+        )
+        rig.redis.fail = ConnectionError("Redis is gone")
+        with pytest.raises(ConnectionError):
+            await commit.run([event(0, 5, "acme")])
+        rig.redis.fail = None
+        await commit.run([event(0, 6, "acme")])
+        assert rig.rec.of("redis")[-1][1] == ["k"]  # one write of the key ...
+        assert rig.redis.windows["k"] is newer  # ... with its newest state
+        assert second.window_changed and second.overage == overage
+        assert commit.unmirrored == {}
 
     async def test_each_carried_write_keeps_its_source_partition(self) -> None:
         rig = Rig()
