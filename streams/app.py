@@ -61,7 +61,9 @@ def build_app(
     kept current with the partitions this worker owns (its readiness endpoint).
     """
     app = faust_app(settings)
-    worker = Worker(app, settings, policies, retention_ms, health or WorkerHealth())
+    if health is None:
+        health = WorkerHealth()
+    worker = Worker(app, settings, policies, retention_ms, health)
     declare_agents(app, worker)
     return app
 
@@ -155,6 +157,7 @@ class Worker:
         self.in_flight: set[str] = set()
         #: Per agent: table writes Redis may not have (``BatchCommit.unmirrored``).
         self.unmirrored: dict[str, dict[str, Carried]] = {}
+        metrics.CARRIED_WRITES.set_function(self.carried_writes)
         self.drift = DriftCheck(
             app,
             self.table,
@@ -339,6 +342,10 @@ class Worker:
                 logger.info("dropped %d carried writes of %s partitions gone", dropped, topic)
         # ``keeper.handled`` stays: what this worker applied is in Redis whoever owns it.
         self.keeper.on_assigned()
+
+    def carried_writes(self) -> int:
+        """How many table writes are carried to a next Redis step (``/metrics``)."""
+        return sum(len(carried) for carried in self.unmirrored.values())
 
     def dedupe_figures(self) -> None:
         """The dedupe set's size for ``/metrics``."""

@@ -1,4 +1,4 @@
-"""One batch's commit in numbered steps: fold, table writes, changelog, Redis with marks, offsets.
+"""One batch's commit in steps: fold, table writes, changelog, Redis with marks, sends, offsets.
 
 :class:`BatchCommit` runs the steps in the order that keeps the worker's guarantees
 (exactly-once effects through a crash, marks never ahead of the windows they vouch for)
@@ -47,7 +47,6 @@ class Folded(NamedTuple):
     """One partition's part of a batch: its fold and its last record."""
 
     partition: int
-    events: Sequence[Any]
     result: FoldResult
     last: Last
 
@@ -137,7 +136,8 @@ class BatchCommit:
     3. **changelog**: each table write queued its changelog record on the producer; faust
        flushes the producer before it commits an offset (step 6), so the changelog is
        never behind the offsets. Nothing is awaited here: a crash before step 6 folds the
-       batch again from the table, and its redeliveries change nothing;
+       batch again from the table, where its records are redeliveries (applied once,
+       never twice);
     4. **Redis with marks**: one pipeline for the whole batch: windows, absorbed
        reservations, overage marks, then the marks the batch advanced, unless it sent keyed
        batches (a usage mark vouches for those only once the broker has them);
@@ -147,11 +147,12 @@ class BatchCommit:
        acked.
 
     Any failure before 6 leaves the offsets uncommitted, drops the cached states and
-    raises: the records come again and redeliveries change nothing. What steps 2 wrote
-    but step 4 did not confirm is carried to the next batch's step 4: the redelivered
-    records are redeliveries for the table (no window change, nothing absorbed), so
-    without the carry their windows would reach Redis only through the drift check, while
-    the marks vouched for them.
+    raises: the records come again, and the table applies them once. What steps 2 wrote
+    but step 4 did not confirm is carried to the next batch's step 4, merged into that
+    batch's write of the same key: a redelivery rewrites its key's window and absorbs
+    again (``streams.ledger.Change.buckets_changed``), but brings no overage mark. Each
+    carried write keeps its source partition: the worker drops those of partitions it no
+    longer owns (:func:`drop_carried`).
 
     Args:
         fold: folds one partition's events.
@@ -213,7 +214,7 @@ class BatchCommit:
                 self.in_flight.update(keys)
                 touched |= keys
                 # 3. changelog: queued by step 2; flushed by faust before step 6's commit.
-                parts.append(Folded(partition, group, result, last))
+                parts.append(Folded(partition, result, last))
             await self._redis(parts, touched)
             written = []  # in Redis now
             await self._sends(parts)

@@ -80,6 +80,11 @@ MARKS_FENCED = Counter(
     "spendgate_marks_fenced_total",
     "Applied-mark writes Redis refused because a newer owner of the partition holds them.",
 )
+CARRIED_WRITES = Gauge(
+    "spendgate_worker_carried_writes",
+    "Table writes Redis may not have (their batch failed before its Redis step confirmed "
+    "them), carried to the next batch's Redis step; all agents.",
+)
 RESTORE_SECONDS = Histogram(
     "spendgate_restore_seconds",
     "How long rewriting the windows of newly assigned partitions (or all, after a loss "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from aiokafka import TopicPartition
+from prometheus_client import REGISTRY
 
 from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.app import Worker, faust_app
@@ -43,6 +44,13 @@ class TestRebalance:
         )
         assert set(worker.unmirrored["usage"]) == {"b"}
         assert set(worker.unmirrored["keyed"]) == {"c"}
+
+    def test_the_carried_writes_are_a_gauge(self, worker: Worker) -> None:
+        worker.unmirrored["usage"] = {"a": carried(0, "a"), "b": carried(1, "b")}
+        worker.unmirrored["keyed"] = {"c": carried(0, "c")}
+        assert REGISTRY.get_sample_value("spendgate_worker_carried_writes") == 3
+        worker.on_assigned({TopicPartition(worker.names["usage"], 0)})
+        assert REGISTRY.get_sample_value("spendgate_worker_carried_writes") == 1
 
     def test_nothing_owned_drops_every_carried_write(self, worker: Worker) -> None:
         worker.unmirrored["usage"] = {"a": carried(0, "a")}

@@ -355,8 +355,8 @@ class TestBatchCommitFailures:
         with pytest.raises(RuntimeError):
             await rig.commit.run(BATCH)
         # Partition 0 was written to the table (its changelog record queued, but never
-        # vouched for by an offset): the batch comes again and its redeliveries change
-        # nothing.
+        # vouched for by an offset): the batch comes again, its records redeliveries for
+        # the table (applied once, never twice).
         assert rig.rec.steps() == ["fold", "table", "fold", "forget"]
         assert rig.in_flight == set()
         assert not rig.rec.of("redis") and not rig.rec.of("offsets")
@@ -368,8 +368,8 @@ class TestBatchCommitFailures:
             await rig.commit.run(BATCH)
         rig.redis.fail = None
         rig.rec.log.clear()
-        # The batch again: the table holds its fold, so every record is a redelivery and
-        # its fold has no Redis write; the windows the failed step 4 missed go with it.
+        # The batch again: the table holds its fold, so every record is a redelivery (no
+        # table write); the writes the failed step 4 missed go with the batch's.
         await rig.commit.run(BATCH)
         assert rig.rec.of("table") == [("table", 0, []), ("table", 1, [])]
         (redis,) = rig.rec.of("redis")
