@@ -154,6 +154,17 @@ class BatchCommit:
     carried write keeps its source partition: the worker drops those of partitions it no
     longer owns (:func:`drop_carried`).
 
+    Two failures are left as they are, knowingly:
+
+    * alerts whose send failed after step 4 succeeded are not sent again: their records
+      come again as redeliveries, which raise no alert (at most once for that failure;
+      the state is in the table and in Redis all the same);
+    * step 4's pipeline is not a transaction (``transaction=False``): Redis runs every
+      command of it, so an ABSORB that fails there does not stop the marks written after
+      it in the same pipeline, which then vouch for a window Redis did not take; the
+      batch still raises and its writes are carried to the next step 4 (or the drift
+      check heals the window first).
+
     Args:
         fold: folds one partition's events.
         table: the key-state table.
