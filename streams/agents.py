@@ -42,10 +42,9 @@ def declare_agents(app: faust.App, worker: Worker) -> None:
         worker.dedupe_figures()
 
     @app.on_partitions_assigned.connect
-    def forget_positions(
-        sender: Any, assigned: Any, /, *args: Any, signal: Any, **kwargs: Any
-    ) -> None:
-        # ``assigned``: the whole new assignment (faust sends it after the revocation).
+    def forget_positions(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        # faust sends one argument: the whole new assignment (after the revocation).
+        (assigned,) = args
         worker.on_assigned(assigned)
 
     @app.on_rebalance_complete.connect
