@@ -43,6 +43,7 @@ WINDOWS = {
 STEPS = ("parse", "load", "reset", "retry", "hold", "answer", "encode", "redis.call")
 
 PROFILE = """--! include spendgate.schemas:window
+--! include spendgate.schemas:window_view
 --! include spendgate.schemas:burst
 --! include spendgate.schemas:redis_values
 --! include spendgate.admission.scripts:key_steps
