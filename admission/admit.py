@@ -15,7 +15,7 @@ Why the fast path is kept (issue 28: only if a paired A/B shows it worth more th
 Server CPU per request, fast / route-only, median (per-round range): 16 connections,
 admitted 799 / 1,148 us = 0.708 (0.679-0.752), refused 577 / 890 us = 0.634
 (0.608-0.691); 1 connection, admitted 1,275 / 1,595 us = 0.799 (0.772-0.819), refused
-748 / 1,019 us = 0.731 (0.711-0.749). The route alone costs 25-54% more CPU per request.
+748 / 1,019 us = 0.731 (0.711-0.749). The route alone costs 25-58% more CPU per request.
 """
 
 from __future__ import annotations
