@@ -72,7 +72,8 @@ from spendgate.admission.wire import (
     send_json,
 )
 from spendgate.schemas.decisions import AdmitRequest
-from spendgate.schemas.events import ReleaseEvent, Usage, UsageEvent
+from spendgate.schemas.events import ReleaseEvent, Subject, Usage, UsageEvent
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.overage import factor_milli, scaled
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
@@ -116,6 +117,9 @@ class AdmitService:
         prices: the price catalog for ``cost_usd`` policies.
         ledger: the in-process state used while Redis cannot decide.
         refusals: where every refusal goes (``budget.refusals``), never awaited.
+        delays: the requests ``on_exceed: delay`` policies hold.
+        key_ids: the secret subject fields' key ids: a request's raw values are replaced
+            before anything is planned, stored, published or logged (none: kept as sent).
     """
 
     def __init__(
@@ -126,7 +130,9 @@ class AdmitService:
         ledger: DegradedLedger,
         refusals: RefusalSink | None = None,
         delays: Delays | None = None,
+        key_ids: KeyIds | None = None,
     ) -> None:
+        self.key_ids = key_ids
         self.store = store
         self.delays = delays if delays is not None else Delays(DEFAULT_DELAY_WAITERS)
         self.publisher = publisher
@@ -141,6 +147,14 @@ class AdmitService:
         if planner is None or planner.policies is not policies:
             planner = self._planner = Planner(policies, self.prices)
         return planner
+
+    def subject(self, subject: Subject) -> Subject:
+        """``subject`` with its secret fields as key ids (as every request is decided)."""
+        return subject if self.key_ids is None else self.key_ids.subject(subject)
+
+    def _protected(self, body: AdmitRequest) -> AdmitRequest:
+        subject = self.subject(body.subject)
+        return body if subject is body.subject else body.model_copy(update={"subject": subject})
 
     async def plans(self, body: AdmitRequest) -> list[Plan]:
         """The plans of a request under the policies in force."""
@@ -167,6 +181,7 @@ class AdmitService:
         started = time.perf_counter()
         try:
             who.check(body.subject.tenant)
+            body = self._protected(body)
             plans = await self.plans(body)
             if self._planner is not None and self._planner.any_cap_next:
                 body, plans = await self._cap_next(body, plans, self._planner)

@@ -32,6 +32,7 @@ from spendgate.admission.settle import Settler
 from spendgate.admission.state import AdmissionState
 from spendgate.admission.store import BudgetStore
 from spendgate.admission.wire import BodyGuard
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.prices import PriceCatalog
 
 #: Largest request body accepted (admit bodies are a few hundred bytes).
@@ -71,6 +72,7 @@ def create_app(
     ledger: DegradedLedger | None = None,
     refusals: RefusalSink | None = None,
     delay_waiters: int = DEFAULT_DELAY_WAITERS,
+    key_ids: KeyIds | None = None,
 ) -> FastAPI:
     """Build the API around an opened store and publisher (see ``admission.server``).
 
@@ -84,9 +86,13 @@ def create_app(
         ledger: the in-process state used while Redis is unreachable.
         refusals: where refused admissions are published (``budget.refusals``).
         delay_waiters: how many requests ``delay`` policies may hold at once.
+        key_ids: the secret subject fields' key ids (``schemas.key_ids``); requests and
+            budget queries are decided on them. None: subject values are kept as sent.
     """
     local = ledger or DegradedLedger()
-    admits = AdmitService(store, publisher, prices, local, refusals, Delays(delay_waiters))
+    admits = AdmitService(
+        store, publisher, prices, local, refusals, Delays(delay_waiters), key_ids=key_ids
+    )
     app = AdmissionAPI(
         title="spendgate admission",
         version="1",

@@ -196,9 +196,9 @@ async def budgets(
     env: QueryValue = None,
 ) -> BudgetList:
     """Every budget matching the subject of the query."""
-    subject = subject_of_query(request.query_params.multi_items())
-    who.check_read(subject.tenant, "tenant")
     state = state_of(request)
+    subject = state.admits.subject(subject_of_query(request.query_params.multi_items()))
+    who.check_read(subject.tenant, "tenant")
     return await read_budgets(state.store, state.admits.planner, subject)
 
 

@@ -129,18 +129,24 @@ async def simulate(
 
     Args:
         settings: where the topics are (and the prices file, the dedupe horizon).
-        draft: the draft policies (see :func:`caveats` for what is left out).
+        draft: the draft policies (see :func:`caveats` for what is left out); exact
+            values on secret fields are taken as key ids (``KeyIds.policy``).
         since: read from this time (broker time; default: the beginning).
         until: leave out records whose event time is later.
         progress: called with (records folded, records to fold).
+
+    Raises:
+        PolicyError: a draft policy has a glob on a secret field.
     """
     from spendgate.schemas.prices import load_catalog
 
+    key_ids = settings.key_ids()
+    draft = [key_ids.policy(p) for p in draft]
     started = asyncio.get_running_loop().time()
     records = await read_history(settings, since=since, until=until)
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     longest = max((p.window_ms for p in draft), default=0)
-    sim = Simulation(draft, prices, settings.horizon_ms(longest))
+    sim = Simulation(draft, prices, settings.horizon_ms(longest), key_ids)
     try:
         for n, item in enumerate(records, 1):
             sim.feed(item)

@@ -21,6 +21,7 @@ from spendgate.schemas.decision import DecisionResult, PlanInput, decide
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.exceptions import SpendgateError
 from spendgate.schemas.fastdecode import decode
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
 from spendgate.schemas.refusals import RefusalGap
@@ -145,15 +146,22 @@ class Simulation:
         draft: the draft policies.
         prices: the price catalog for ``cost_usd`` drafts.
         dedupe_horizon_ms: the producer-duplicate horizon (as the worker's).
+        key_ids: the secret fields' key ids, as the worker's and admission's: the history's
+            subjects are judged and folded in key-id form (``draft`` must be in it too).
     """
 
     def __init__(
-        self, draft: Sequence[Policy], prices: PriceCatalog | None, dedupe_horizon_ms: int
+        self,
+        draft: Sequence[Policy],
+        prices: PriceCatalog | None,
+        dedupe_horizon_ms: int,
+        key_ids: KeyIds | None = None,
     ) -> None:
+        self.key_ids = key_ids
         self.planner = Planner(list(draft), prices)
         # The fold keeps the windows; its alerts are not wanted here.
         quiet = [p.model_copy(update={"alerts": [], "forecast": None}) for p in draft]
-        self.rules = Rules(quiet, prices, local=lambda policy: True)
+        self.rules = Rules(quiet, prices, local=lambda policy: True, key_ids=key_ids)
         self.specs = {p.id: WindowSpec(p.window_ms, p.bucket_ms, p.boundary) for p in draft}
         self.states: dict[str, KeyState] = {}
         self.ids = IdStore(None, dedupe_horizon_ms)
@@ -214,6 +222,8 @@ class Simulation:
     def _keys(self, subject: object) -> tuple[str | None, ...]:
         """The draft keys a record for ``subject`` touches (``(None,)``: not known)."""
         try:
+            if self.key_ids is not None:
+                subject = self.key_ids.subject(subject)  # type: ignore[type-var]
             return tuple(t.key for t in self.rules.index.targets(subject))  # type: ignore[arg-type]
         except Exception:  # noqa: BLE001 - the fold refuses it; fold it before judging
             return (None,)
@@ -254,6 +264,8 @@ class Simulation:
         if event.kind == "reserve" and rid is not None:
             usage = Usage.model_validate(_usage_dict(event.usage))
             subject = _subject(event.subject)
+            if self.key_ids is not None:
+                subject = self.key_ids.subject(subject)
             verdict = self._judge(subject, usage, event.occurred_ms)
             if verdict is None or not verdict.refused:
                 value = item.value
@@ -290,6 +302,9 @@ class Simulation:
             request_id = str(raw["request_id"])
             subject = Subject.model_validate(raw["subject"])
             usage = Usage.model_validate(raw["estimate"])
+            if self.key_ids is not None:
+                # Refusals published before key ids were on carry raw values.
+                subject = self.key_ids.subject(subject)
         except Exception:  # noqa: BLE001 - not a refusal record: nothing to judge
             return
         if request_id in self.seen_refusals:

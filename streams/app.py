@@ -143,7 +143,11 @@ class Worker:
             "keystate", partitions=settings.partitions, key_type=str, value_type=bytes
         )
         self.prices = load_catalog(settings.prices_file) if settings.prices_file else None
-        self.book = PolicyBook(settings.kafka_bootstrap, settings.topic("policies"), policies)
+        #: The secret subject fields' key ids: policies, records and dead letters carry them.
+        self.key_ids = settings.key_ids()
+        self.book = PolicyBook(
+            settings.kafka_bootstrap, settings.topic("policies"), policies, key_ids=self.key_ids
+        )
         self.materializer = RedisMaterializer(
             aioredis.Redis.from_url(settings.redis_url),
             settings.redis_prefix,
@@ -303,7 +307,8 @@ class Worker:
     def rules(self) -> Rules:
         """The fold's rules for the policies in force (rebuilt once per policy version)."""
         if self._rules is None or self._rules[0] != self.book.version:
-            self._rules = (self.book.version, Rules(self.book.policies.values(), self.prices))
+            rules = Rules(self.book.policies.values(), self.prices, key_ids=self.key_ids)
+            self._rules = (self.book.version, rules)
         return self._rules[1]
 
     def track_policies(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, cast
 
+import msgspec
 import orjson
 from pydantic import ValidationError
 
@@ -121,15 +122,20 @@ class _Origin(NamedTuple):
 class _Fold:
     """The per-batch accumulator shared by both entry points."""
 
-    def __init__(self, load: Load, max_value_bytes: int) -> None:
+    def __init__(
+        self, load: Load, max_value_bytes: int, redact: Callable[[bytes], bytes] | None = None
+    ) -> None:
         self.load = load
         self.max_value_bytes = max_value_bytes
+        self.redact = redact
         self.keys: dict[str, KeyWrite] = {}
         self.alerts: list[Alert] = []
         self.refusals: list[Refusal] = []
         self.counts = Counts()
 
     def refuse(self, reason: str, raw: bytes, origin: _Origin) -> None:
+        if self.redact is not None:
+            raw = self.redact(raw)
         self.refusals.append(Refusal(reason, raw, origin.topic, origin.partition, origin.offset))
 
     def account(self, rec: KeyedRecord, origin: _Origin) -> None:
@@ -209,6 +215,11 @@ class _Split:
         counts = self.fold.counts
         try:
             event = decode(rec.value)
+            keys = self.rules.key_ids
+            if keys is not None:
+                subject = keys.subject(event.subject)
+                if subject is not event.subject:
+                    event = msgspec.structs.replace(event, subject=subject)
             matched = self.rules.index.targets(event.subject)
         except ValidationError as exc:
             self._reject(invalid_reason(exc), origin)
@@ -345,7 +356,8 @@ def fold_usage(
     Returns:
         The batch's effects (:class:`FoldResult`).
     """
-    fold = _Fold(load, max_value_bytes)
+    keys = rules.key_ids
+    fold = _Fold(load, max_value_bytes, keys.record if keys is not None else None)
     split = _Split(fold, rules, ids, max_future_skew_ms)
     for rec in records:
         split.record(rec)

@@ -11,6 +11,7 @@ from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
 from spendgate.schemas.exceptions import PolicyError
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.policies import Policy, validate_against_catalog
 from spendgate.schemas.prices import PriceCatalog, load_catalog
 from spendgate.streams.policybook import read_policies
@@ -18,12 +19,17 @@ from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.topics import ensure_topics
 
 
-def load_policies(path: Path) -> list[Policy]:
+def load_policies(path: Path, *, key_ids: KeyIds | None) -> list[Policy]:
     """Read and validate one policy or a list of policies from a YAML or JSON file.
+
+    Args:
+        path: the file.
+        key_ids: with them, each policy in key-id form (``KeyIds.policy``): an exact
+            ``match`` value on a secret field is replaced by its key id.
 
     Raises:
         PolicyError: the file cannot be parsed or a policy is invalid (the message names
-            the policy and the field).
+            the policy and the field; a glob on a secret field is invalid).
     """
     try:
         raw = (
@@ -38,9 +44,12 @@ def load_policies(path: Path) -> list[Policy]:
     problems: list[str] = []
     for n, item in enumerate(items):
         try:
-            policies.append(Policy.model_validate(item))
+            policy = Policy.model_validate(item)
+            policies.append(key_ids.policy(policy) if key_ids is not None else policy)
         except ValidationError as exc:
             problems.extend(_describe(n, item, exc))
+        except PolicyError as exc:
+            problems.append(f"policy {n} (id {policy.id!r}) {exc}")
     ids = [p.id for p in policies]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -80,7 +89,7 @@ def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
     Raises:
         PolicyError: a policy is invalid, or names a price the catalog lacks.
     """
-    policies = load_policies(path)
+    policies = load_policies(path, key_ids=settings.key_ids())
     # Without a catalog nothing is priced: a downgrade target or a default rate is refused.
     catalog = load_catalog(settings.prices_file) if settings.prices_file else PriceCatalog()
     problems = []
@@ -97,7 +106,11 @@ def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
 
 def list_policies(settings: WorkerSettings) -> list[Policy]:
     """The policies in force, sorted by id."""
-    found = asyncio.run(read_policies(settings.kafka_bootstrap, settings.topic("policies")))
+    found = asyncio.run(
+        read_policies(
+            settings.kafka_bootstrap, settings.topic("policies"), key_ids=settings.key_ids()
+        )
+    )
     return sorted(found.values(), key=lambda p: p.id)
 
 

@@ -9,6 +9,8 @@ import logging
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
+from spendgate.schemas.exceptions import PolicyError
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.policies import Policy
 from spendgate.streams.kafka_util import assign, stop
 
@@ -16,13 +18,24 @@ logger = logging.getLogger(__name__)
 
 
 class PolicyBook:
-    """Tails the policies topic from its start into memory; ``ready`` is set once caught up."""
+    """Tails the policies topic from its start into memory; ``ready`` is set once caught up.
+
+    With ``key_ids``, each policy is held in key-id form (``KeyIds.policy``): an exact
+    ``match`` value on a secret field written raw (by an older ``policy apply``) is replaced
+    by its id; a glob on such a field cannot be evaluated and is refused like an invalid one.
+    """
 
     def __init__(
-        self, bootstrap: str, topic: str, initial: dict[str, Policy] | None = None
+        self,
+        bootstrap: str,
+        topic: str,
+        initial: dict[str, Policy] | None = None,
+        *,
+        key_ids: KeyIds | None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
+        self.key_ids = key_ids
         self.policies: dict[str, Policy] = dict(initial or {})
         self.ready = asyncio.Event()
         self.version = 0
@@ -38,11 +51,14 @@ class PolicyBook:
             self.policies.pop(policy_id, None)
         else:
             try:
-                self.policies[policy_id] = Policy.model_validate_json(value)
-            except ValidationError as exc:
+                policy = Policy.model_validate_json(value)
+                if self.key_ids is not None:
+                    policy = self.key_ids.policy(policy)
+            except (ValidationError, PolicyError) as exc:
                 # `policy apply` validates first, so this is a foreign writer; keep the old one.
                 logger.error("ignoring invalid policy record %s: %s", policy_id, exc)
                 return
+            self.policies[policy_id] = policy
         self.version += 1
 
     def _set_ready(self) -> None:
@@ -72,9 +88,10 @@ class PolicyBook:
             await stop(consumer)
 
 
-async def read_policies(bootstrap: str, topic: str) -> dict[str, Policy]:
-    """Read the policies topic to its current end and return the policies in force."""
-    book = PolicyBook(bootstrap, topic)
+async def read_policies(bootstrap: str, topic: str, *, key_ids: KeyIds | None) -> dict[str, Policy]:
+    """Read the policies topic to its current end and return the policies in force (in
+    key-id form with ``key_ids``, as :class:`PolicyBook` holds them)."""
+    book = PolicyBook(bootstrap, topic, key_ids=key_ids)
     task = asyncio.create_task(book.run())
     try:
         await asyncio.wait_for(book.ready.wait(), timeout=30)

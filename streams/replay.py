@@ -100,9 +100,12 @@ async def _read(
     summary: ReplaySummary,
     progress: Progress | None,
 ) -> dict[str, Policy]:
-    policies = await read_policies(settings.kafka_bootstrap, settings.topic("policies"))
+    key_ids = settings.key_ids()
+    policies = await read_policies(
+        settings.kafka_bootstrap, settings.topic("policies"), key_ids=key_ids
+    )
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
-    rules = Rules(policies.values(), prices, local=lambda policy: True)
+    rules = Rules(policies.values(), prices, local=lambda policy: True, key_ids=key_ids)
     longest = max((p.window_ms for p in policies.values()), default=0)
     # The same id set as the worker, in a temporary folder: duplicates count as they did live.
     ids = IdStore(None, settings.horizon_ms(longest), settings.dedupe_memory_mb << 20)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.matching import PolicyIndex
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
@@ -32,6 +33,10 @@ class Rules:
         prices: the price catalog (``cost_usd`` policies), if any.
         local: which policies' keys ``streams.fold.fold_usage`` applies itself (default
             :func:`tenant_scoped`; ``replay`` passes ``lambda p: True``: no hop).
+        key_ids: the secret subject fields' key ids: a record whose subject carries a raw
+            value is matched and keyed by its id, and dead-lettered with it (none: values
+            are taken as they arrive). The policies must already be in key-id form
+            (``KeyIds.policy``, as the policy book loads them).
     """
 
     def __init__(
@@ -40,7 +45,9 @@ class Rules:
         prices: PriceCatalog | None,
         *,
         local: Callable[[Policy], bool] = tenant_scoped,
+        key_ids: KeyIds | None = None,
     ) -> None:
+        self.key_ids = key_ids
         self.index = PolicyIndex(policies)
         self.prices = prices
         self._plans = {p.id: Plan(p, PolicyTerms.of(p), local(p)) for p in self.index.policies}

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from spendgate.schemas.key_settings import SubjectSecretSettings
 from spendgate.schemas.types import Duration, parse_duration_ms
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(SubjectSecretSettings):
     """Everything the worker reads from its environment, built once in the entry point."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")

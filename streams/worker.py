@@ -9,6 +9,7 @@ import signal
 
 from faust.worker import Worker
 
+from spendgate.schemas.key_settings import announce
 from spendgate.streams.app import build_app
 from spendgate.streams.health import WorkerHealth
 from spendgate.streams.health_server import HealthServer
@@ -30,8 +31,12 @@ def _dump_tasks(signum: int, frame: object) -> None:
 def run_worker(settings: WorkerSettings) -> None:
     """Create missing topics, serve ``/metrics``, ``/healthz`` and ``/readyz``, and run the
     faust worker until stopped."""
+    key_ids = settings.key_ids()
+    announce(key_ids, logger)
     asyncio.run(ensure_topics(settings))
-    policies = asyncio.run(read_policies(settings.kafka_bootstrap, settings.topic("policies")))
+    policies = asyncio.run(
+        read_policies(settings.kafka_bootstrap, settings.topic("policies"), key_ids=key_ids)
+    )
     logger.info("%d policies in force at start", len(policies))
     usage = asyncio.run(describe_usage(settings))
     longest = max((p.window_ms for p in policies.values()), default=0)

@@ -19,7 +19,7 @@ async def test_the_stream_stops_at_the_limit_and_commits_what_it_used(
     make_admission: MakeAdmission,
 ) -> None:
     adm = await make_admission()
-    await adm.policies(*load_policies(POLICIES))
+    await adm.policies(*load_policies(POLICIES, key_ids=None))
     lines: list[str] = []
     await stream_and_overage(adm.http, lines.append)
     assert lines[0] == (

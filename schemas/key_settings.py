@@ -1,0 +1,103 @@
+"""The subject secret and the secret fields, as every service's settings read them."""
+
+from __future__ import annotations
+
+import logging
+import stat
+from pathlib import Path
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from spendgate.schemas.exceptions import ConfigurationError
+from spendgate.schemas.key_ids import KeyIds, secret_fields
+
+__all__ = ["MIN_SECRET_BYTES", "SubjectSecretSettings", "announce", "read_private_file"]
+
+#: The shortest subject secret taken: a short one could be guessed from a known key's id.
+MIN_SECRET_BYTES = 16
+
+
+def read_private_file(path: Path, what: str) -> bytes:
+    """Read a file that holds secrets, refusing it when group or others may access it.
+
+    Args:
+        path: the file.
+        what: what it holds, for the messages (``"the auth tokens file"``).
+
+    Raises:
+        ConfigurationError: the file cannot be read, or its mode lets others read or write
+            it (the message says to ``chmod 600`` it; it never shows the content).
+    """
+    try:
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            raise ConfigurationError(
+                f"{path}: {what} is readable or writable by others "
+                f"(mode {stat.filemode(mode)}); run: chmod 600 {path}"
+            )
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigurationError(f"{path}: cannot read {what}: {exc.strerror}") from exc
+
+
+class SubjectSecretSettings(BaseSettings):
+    """The settings that make key ids (``schemas.key_ids``), shared by every service."""
+
+    model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
+
+    #: The HMAC key of the key ids (every service of a deployment must share it); or
+    #: ``subject_secret_file``. Neither: the public built-in secret, with a warning.
+    subject_secret: SecretStr | None = None
+    #: A file holding the subject secret (mode 600; surrounding whitespace ignored).
+    subject_secret_file: Path | None = None
+    #: Comma-separated subject fields stored only as key ids (``""``: none).
+    secret_fields: str = "api_key"
+
+    def key_ids(self) -> KeyIds:
+        """The key ids these settings describe.
+
+        Raises:
+            ConfigurationError: both or a bad secret, an unreadable or shared secret file, or
+                a field that cannot be secret.
+        """
+        fields = secret_fields(self.secret_fields)
+        if self.subject_secret is not None and self.subject_secret_file is not None:
+            raise ConfigurationError(
+                "set SPENDGATE_SUBJECT_SECRET or SPENDGATE_SUBJECT_SECRET_FILE, not both"
+            )
+        if self.subject_secret_file is not None:
+            secret = read_private_file(self.subject_secret_file, "the subject secret file")
+            where = str(self.subject_secret_file)
+        elif self.subject_secret is not None:
+            secret = self.subject_secret.get_secret_value().encode()
+            where = "SPENDGATE_SUBJECT_SECRET"
+        else:
+            return KeyIds.built_in_secret(fields)
+        secret = secret.strip()
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ConfigurationError(
+                f"{where}: the subject secret must be at least {MIN_SECRET_BYTES} bytes "
+                "(generate one: python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        return KeyIds(secret, fields)
+
+
+def announce(key_ids: KeyIds, logger: logging.Logger) -> None:
+    """Log, once at a service's start, which key ids it makes (a warning under the built-in
+    secret); the fingerprint lets an operator check that every service shares the secret."""
+    if not key_ids.fields:
+        logger.warning("SPENDGATE_SECRET_FIELDS is empty: subject values are stored as sent")
+    elif key_ids.built_in:
+        logger.warning(
+            "subject fields %s are hashed with the PUBLIC built-in secret (key ids sgk_%s_...): "
+            "anyone holding a key can recompute its id; set SPENDGATE_SUBJECT_SECRET_FILE",
+            ",".join(key_ids.fields),
+            key_ids.fingerprint,
+        )
+    else:
+        logger.info(
+            "subject fields %s are stored as key ids sgk_%s_...",
+            ",".join(key_ids.fields),
+            key_ids.fingerprint,
+        )
