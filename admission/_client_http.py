@@ -11,6 +11,7 @@ import httpx
 from spendgate.admission.exceptions import AdmissionRequestError, BudgetExceeded
 from spendgate.schemas.decisions import Decision
 from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.key_ids import KeyIds
 
 SubjectLike = Subject | Mapping[str, Any]
 UsageLike = Usage | Mapping[str, Any]
@@ -83,12 +84,26 @@ class RetryingClient:
     """What both clients share: the token's header and the retry policy."""
 
     def __init__(
-        self, token: str | None, retries: int, backoff_s: float, max_backoff_s: float
+        self,
+        token: str | None,
+        retries: int,
+        backoff_s: float,
+        max_backoff_s: float,
+        key_ids: KeyIds | None = None,
     ) -> None:
+        self.key_ids = key_ids
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+
+    def subject_body(self, subject: SubjectLike) -> dict[str, Any]:
+        """The subject as sent: with ``key_ids``, secret fields replaced by their key ids
+        here, so a raw API key never leaves this process."""
+        value = as_subject(subject)
+        if self.key_ids is not None:
+            value = self.key_ids.subject(value)
+        return value.model_dump(exclude_none=True)
 
     def _wait(self, attempt: int, last: httpx.Response | None = None) -> float:
         """Seconds to sleep before retry number ``attempt + 1``.

@@ -54,7 +54,6 @@ from spendgate.admission._client_http import (
     SubjectLike,
     UsageLike,
     admit_timeout,
-    as_subject,
     as_usage,
     raise_for,
     retriable,
@@ -74,6 +73,7 @@ from spendgate.admission.generations import (
 from spendgate.schemas.decisions import Decision
 from spendgate.schemas.events import Subject as Subject
 from spendgate.schemas.events import Usage as Usage
+from spendgate.schemas.key_ids import KeyIds
 
 # The ``X as X`` imports keep names this module offered before the split importable from
 # here (the README imports BudgetExceeded from it); ``__all__`` is what it always was.
@@ -103,8 +103,9 @@ class AdmissionClient(RetryingClient):
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         transport: httpx.BaseTransport | None = None,
+        key_ids: KeyIds | None = None,
     ) -> None:
-        super().__init__(token, retries, backoff_s, max_backoff_s)
+        super().__init__(token, retries, backoff_s, max_backoff_s, key_ids)
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
         self._admit_timeout = admit_timeout(timeout_s)
 
@@ -157,7 +158,7 @@ class AdmissionClient(RetryingClient):
         """
         body = {
             "request_id": request_id or uuid.uuid4().hex,
-            "subject": as_subject(subject).model_dump(exclude_none=True),
+            "subject": self.subject_body(subject),
             "estimate": as_usage(estimate).model_dump(exclude_none=True),
         }
         # A delay policy may hold the answer up to its max_delay: read that long.
@@ -242,8 +243,9 @@ class AsyncAdmissionClient(RetryingClient):
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        key_ids: KeyIds | None = None,
     ) -> None:
-        super().__init__(token, retries, backoff_s, max_backoff_s)
+        super().__init__(token, retries, backoff_s, max_backoff_s, key_ids)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=transport)
         self._admit_timeout = admit_timeout(timeout_s)
 
@@ -290,7 +292,7 @@ class AsyncAdmissionClient(RetryingClient):
         """As :meth:`AdmissionClient.admit`."""
         body = {
             "request_id": request_id or uuid.uuid4().hex,
-            "subject": as_subject(subject).model_dump(exclude_none=True),
+            "subject": self.subject_body(subject),
             "estimate": as_usage(estimate).model_dump(exclude_none=True),
         }
         # A delay policy may hold the answer up to its max_delay: read that long.

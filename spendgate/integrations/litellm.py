@@ -62,6 +62,7 @@ from spendgate.integrations.gateway import (
 from spendgate.schemas.decisions import Decision
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.exceptions import SpendgateError
+from spendgate.schemas.key_settings import SubjectSecretSettings
 
 __all__ = ["LiteLLMSettings", "SpendgateLogger", "SpendgateRefusal", "handler"]
 
@@ -257,6 +258,9 @@ class SpendgateLogger(CustomLogger):
         if self._client is None:
             s = self.settings
             check_mapping(s.subject)
+            # The deployment's SPENDGATE_SUBJECT_SECRET(_FILE) and SPENDGATE_SECRET_FIELDS: the
+            # proxy's keys leave it only as key ids, and the policies read are in that form.
+            key_ids = SubjectSecretSettings().key_ids()
             self._client = AsyncAdmissionClient(
                 s.admission_url,
                 s.token.get_secret_value() if s.token else None,
@@ -264,11 +268,14 @@ class SpendgateLogger(CustomLogger):
                 retries=s.retries,
                 backoff_s=0.05,
                 max_backoff_s=0.5,
+                key_ids=key_ids,
             )
             if s.kafka_bootstrap:
                 from spendgate.streams.policybook import PolicyBook
 
-                self._book = PolicyBook(s.kafka_bootstrap, f"{s.topic_prefix}policies")
+                self._book = PolicyBook(
+                    s.kafka_bootstrap, f"{s.topic_prefix}policies", key_ids=key_ids
+                )
                 self._book_task = asyncio.ensure_future(self._book.run())
         return self._client
 
@@ -364,6 +371,9 @@ class SpendgateLogger(CustomLogger):
             return
         from spendgate.admission.decide import Planner, fallback_answer
 
+        keys = self._admission().key_ids
+        if keys is not None:  # the policies read are in key-id form
+            subject = keys.subject(subject)
         try:
             charges = Planner(list(policies.values()), None).charges(subject, estimate)
         except SpendgateError as exc:  # a policy the fallback cannot count: fail closed
