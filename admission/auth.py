@@ -9,13 +9,15 @@ every tenant (``GET /v1/budgets``, the dashboard) and may not admit, commit or r
     s3cr3t-oncall: operator
 
 Only SHA-256 digests of the tokens are kept in memory and compared in constant time;
-no token is ever logged.
+no token is ever logged. The file is refused when group or others may read or write it.
+Without it, a service listens only on a loopback address (:func:`check_exposure`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +27,18 @@ import yaml
 
 from spendgate.admission.exceptions import Forbidden, Unauthorized
 from spendgate.schemas.exceptions import ConfigurationError
+from spendgate.schemas.key_settings import read_private_file
 
-__all__ = ["ALL_TENANTS", "OPERATOR", "Authorizer", "Grant", "Principal", "load_tokens"]
+__all__ = [
+    "ALL_TENANTS",
+    "OPERATOR",
+    "Authorizer",
+    "Grant",
+    "Principal",
+    "check_exposure",
+    "is_loopback",
+    "load_tokens",
+]
 
 #: The grant of a token that may act for every tenant.
 ALL_TENANTS = "*"
@@ -119,13 +131,14 @@ def load_tokens(path: Path) -> dict[str, Grant]:
     """Read a tokens file (token -> list of tenants, ``"*"``, or ``operator``).
 
     Raises:
-        ConfigurationError: the file cannot be read or is not such a mapping; the message
-            never contains a token.
+        ConfigurationError: the file cannot be read, group or others may access it, or it
+            is not such a mapping; the message never contains a token.
     """
+    data = read_private_file(path, "the auth tokens file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
         raw: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigurationError(f"{path}: cannot read the auth tokens file: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigurationError(
@@ -146,3 +159,32 @@ def load_tokens(path: Path) -> dict[str, Grant]:
                 f"{path}: entry {number}: tenants must be a list of names, '*' or 'operator'"
             )
     return grants
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is reachable from this machine only: ``localhost``, an
+    address in 127.0.0.0/8 or ``::1`` (``0.0.0.0``, ``::``, any other name: not)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(
+    service: str, host: str, port: int, tokens_file: Path | None, allow_unauthenticated: bool
+) -> None:
+    """Refuse to listen beyond loopback with auth off, unless told so explicitly.
+
+    Raises:
+        ConfigurationError: ``host`` is not loopback, there is no tokens file and
+            ``allow_unauthenticated`` is false (one line saying the three ways out).
+    """
+    if tokens_file is not None or allow_unauthenticated or is_loopback(host):
+        return
+    raise ConfigurationError(
+        f"spendgate {service}: refusing to listen on {host}:{port} without auth: set "
+        "SPENDGATE_AUTH_TOKENS_FILE (token -> tenants), or listen on 127.0.0.1, or pass "
+        "--allow-unauthenticated (SPENDGATE_ALLOW_UNAUTHENTICATED=true)"
+    )

@@ -16,7 +16,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from spendgate.admission.app import create_app
-from spendgate.admission.auth import Authorizer, load_tokens
+from spendgate.admission.auth import Authorizer, check_exposure, load_tokens
 from spendgate.admission.backpressure import Backpressure
 from spendgate.admission.publisher import KafkaPublisher
 from spendgate.admission.redis_check import warn_if_not_durable
@@ -24,6 +24,7 @@ from spendgate.admission.refusals import KafkaRefusals
 from spendgate.admission.settings import AdmissionSettings
 from spendgate.admission.store import BudgetStore
 from spendgate.admission.sweeper import ReserveSweeper
+from spendgate.schemas.key_settings import announce
 from spendgate.schemas.prices import load_catalog
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
     )
+    key_ids = settings.key_ids()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -99,6 +101,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
             logger.warning(
                 "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
             )
+        announce(key_ids, logger)
         await warn_if_not_durable(client)
         try:
             # The sweeper stops first (nothing republished into a closing publisher); the
@@ -119,6 +122,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         refusals=refusals,
         delay_waiters=settings.delay_waiters,
+        key_ids=key_ids,
     )
 
 
@@ -148,6 +152,9 @@ def serve(settings: AdmissionSettings, workers: int = 1) -> None:
     """
     options = uvicorn_options()
     host, port = settings.admission_host, settings.admission_port
+    check_exposure(
+        "admission", host, port, settings.auth_tokens_file, settings.allow_unauthenticated
+    )
     if workers > 1:
         uvicorn.run(
             "spendgate.admission.server:app_from_env",

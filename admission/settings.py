@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from spendgate.schemas.key_settings import SubjectSecretSettings
 
 
-class AdmissionSettings(BaseSettings):
+class AdmissionSettings(SubjectSecretSettings):
     """Everything the admission service reads from its environment."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
@@ -22,8 +24,11 @@ class AdmissionSettings(BaseSettings):
     prices_file: Path | None = None
     admission_host: str = "127.0.0.1"
     admission_port: int = Field(8787, ge=1, le=65535)
-    #: YAML/JSON mapping bearer token -> list of tenants (or "*"); none: auth is off.
+    #: YAML/JSON mapping bearer token -> list of tenants (or "*"); none: auth is off,
+    #: which only a loopback address allows unless ``allow_unauthenticated``. Mode 600.
     auth_tokens_file: Path | None = None
+    #: Listen beyond loopback without a tokens file (whoever reaches it acts for anyone).
+    allow_unauthenticated: bool = False
     #: How often the policies materialized in Redis are re-read.
     policy_refresh_s: float = Field(1.0, gt=0)
     #: Events waiting to be published or acked; when full, the failure mode decides.

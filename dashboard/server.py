@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from starlette.applications import Starlette
 
-from spendgate.admission.auth import Authorizer, load_tokens
+from spendgate.admission.auth import Authorizer, check_exposure, load_tokens
 from spendgate.dashboard.app import create_app
 from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
@@ -79,6 +79,13 @@ def serve(settings: DashboardSettings) -> None:
     """Serve the dashboard until interrupted."""
     # httpx logs each request at INFO: two scrapes a second would drown the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    check_exposure(
+        "dashboard",
+        settings.dashboard_host,
+        settings.dashboard_port,
+        settings.auth_tokens_file,
+        settings.allow_unauthenticated,
+    )
     logger.info("dashboard on http://%s:%d/", settings.dashboard_host, settings.dashboard_port)
     uvicorn.run(
         build_app(settings),

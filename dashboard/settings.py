@@ -20,8 +20,11 @@ class DashboardSettings(BaseSettings):
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = Field(8788, ge=1, le=65535)
     #: The tokens file admission uses (token -> [tenants], "*" or "operator"); none: the
-    #: page is open to whoever reaches it (bind it to loopback then).
+    #: page is open to whoever reaches it, which only a loopback address allows unless
+    #: ``allow_unauthenticated``. Mode 600.
     auth_tokens_file: Path | None = None
+    #: Listen beyond loopback without a tokens file (whoever reaches it sees every tenant).
+    allow_unauthenticated: bool = False
     #: Where the admission service's and the worker's Prometheus metrics are scraped.
     admission_metrics_url: str = "http://127.0.0.1:8787/metrics"
     worker_metrics_url: str = "http://127.0.0.1:9464/metrics"

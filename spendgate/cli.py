@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -105,6 +106,58 @@ def dev_status() -> None:
     print_worker_readiness(out)
 
 
+ListenHost = Annotated[
+    str | None,
+    typer.Option("--host", help="Listen address (default: the setting; 127.0.0.1)."),
+]
+AllowUnauthenticated = Annotated[
+    bool,
+    typer.Option(
+        "--allow-unauthenticated",
+        help="Listen beyond loopback without a tokens file (anyone reaching it is trusted).",
+    ),
+]
+
+
+def _listen_overrides(host_field: str, host: str | None, allow: bool) -> dict[str, Any]:
+    """The settings the listen options override (none given: the environment's)."""
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides[host_field] = host
+    if allow:
+        overrides["allow_unauthenticated"] = True
+    return overrides
+
+
+@app.command("key-id")
+def key_id(
+    value: Annotated[str, typer.Argument(help="The raw value (an API key, ...).")],
+    field: Annotated[
+        str, typer.Option("--field", help="The subject field it is sent in.")
+    ] = "api_key",
+) -> None:
+    """Print the key id a secret subject value is stored as (budget keys, events, alerts).
+
+    Uses the deployment's SPENDGATE_SUBJECT_SECRET_FILE (or SPENDGATE_SUBJECT_SECRET) and
+    SPENDGATE_SECRET_FIELDS, as every service does. Pass the value as an argument only
+    where your shell history is safe; '-' reads it from stdin.
+    """
+    from spendgate.streams.settings import WorkerSettings
+
+    keys = WorkerSettings().key_ids()
+    if not keys.secret_field(field):
+        raise typer.BadParameter(
+            f"{field!r} is not a secret field (SPENDGATE_SECRET_FIELDS: "
+            f"{','.join(keys.fields) or 'none'}): it is stored as sent",
+            param_hint="--field",
+        )
+    raw = sys.stdin.readline().rstrip("\n") if value == "-" else value
+    if keys.built_in:
+        note = "no SPENDGATE_SUBJECT_SECRET(_FILE): the public built-in secret"
+        say("note", "yellow", note, out=Console(stderr=True))
+    typer.echo(keys.of(raw, field))
+
+
 @app.command("worker")
 def worker(json_logs: JsonLogs = False) -> None:
     """Run the stream processor: consume usage events, keep windows, materialize to Redis."""
@@ -125,17 +178,32 @@ def admission(
             help="Processes serving the one port; each decides through the same atomic script.",
         ),
     ] = 1,
+    host: ListenHost = None,
+    allow_unauthenticated: AllowUnauthenticated = False,
 ) -> None:
-    """Run the admission HTTP service (POST /v1/admit ...)."""
+    """Run the admission HTTP service (POST /v1/admit ...).
+
+    Without SPENDGATE_AUTH_TOKENS_FILE it listens only on a loopback address, unless
+    --allow-unauthenticated says so explicitly.
+    """
     from spendgate.admission.server import serve
     from spendgate.admission.settings import AdmissionSettings
 
+    overrides = _listen_overrides("admission_host", host, allow_unauthenticated)
+    if workers > 1:
+        # Each process reads its settings from the environment (admission.server).
+        for name, v in overrides.items():
+            os.environ[f"SPENDGATE_{name.upper()}"] = "true" if v is True else str(v)
     _configure_logging(json_logs)
-    serve(AdmissionSettings(), workers=workers)
+    serve(AdmissionSettings(**overrides), workers=workers)
 
 
 @app.command("dashboard")
-def dashboard(json_logs: JsonLogs = False) -> None:
+def dashboard(
+    json_logs: JsonLogs = False,
+    host: ListenHost = None,
+    allow_unauthenticated: AllowUnauthenticated = False,
+) -> None:
     """Serve the read-only operator dashboard (default http://127.0.0.1:8788/).
 
     Budgets nearest their limits, a key's window over time, refusals, decisions, worker
@@ -146,7 +214,7 @@ def dashboard(json_logs: JsonLogs = False) -> None:
     from spendgate.dashboard.settings import DashboardSettings
 
     _configure_logging(json_logs)
-    serve(DashboardSettings())
+    serve(DashboardSettings(**_listen_overrides("dashboard_host", host, allow_unauthenticated)))
 
 
 @policy.command("apply")
@@ -226,7 +294,7 @@ def simulate(
     from spendgate.streams.policy_admin import load_policies
     from spendgate.streams.settings import WorkerSettings
 
-    draft = load_policies(policies)
+    draft = load_policies(policies, key_ids=WorkerSettings().key_ids())
     for caveat in caveats(draft):
         say("note", "yellow", caveat)
     since, until = (
@@ -298,6 +366,8 @@ def budgets(
             raise typer.BadParameter(f"{item!r} is not FIELD=VALUE", param_hint="--subject")
         pairs.append((name, value))
     settings = WorkerSettings()
+    # Keys carry key ids of secret fields: a raw value given here is looked up as its id.
+    pairs = settings.key_ids().query(pairs)
 
     def render() -> Table:
         rows = asyncio.run(

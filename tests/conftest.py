@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import core as hypothesis_core
 
+from tests.fixtures.key_ids import TEST_SECRET
 from tests.fixtures.seeds import RUN_SEED, reproduce_hint
 
 pytest_plugins = [
@@ -31,6 +32,12 @@ pytest_plugins = [
     "tests.fixtures.dashboard",
     "tests.fixtures.litellm_stack",
 ]
+
+# The suite writes its tokens and secret files as an operator must (admission refuses a
+# tokens file group or others can read): owner-only. Tests of that refusal chmod explicitly.
+os.umask(0o077)
+# One subject secret for every service the suite starts (tests.fixtures.key_ids).
+os.environ["SPENDGATE_SUBJECT_SECRET"] = TEST_SECRET
 
 IN_CI = os.environ.get("CI") == "true"
 #: Examples per property: 2,000 in CI, fewer locally.

@@ -20,6 +20,7 @@ import pytest
 
 from spendgate.schemas.policies import Policy
 from tests.fixtures.dashboard import StartStack, wait_for
+from tests.fixtures.key_ids import key_id
 
 pytestmark = pytest.mark.integration
 
@@ -159,7 +160,7 @@ class TestDashboardInABrowser:
         since = time.monotonic() - spent_at
         assert low <= 310 and high >= 290 - since - 1, (top[0]["retry"], since)
         assert top[1]["key"] == "tight|tenant=b" and "2 + 0 / 5" in top[1]["usage"]
-        assert {r["key"] for r in top} >= {"loose-tokens|tenant=a|api_key=a-key-1"}
+        assert {r["key"] for r in top} >= {f"loose-tokens|tenant=a|api_key={key_id('a-key-1')}"}
 
         # The page is not reloaded from here on: a marker set now must survive.
         browser.execute_script("window.__notReloaded = true")
@@ -198,7 +199,7 @@ class TestDashboardInABrowser:
         wait_for("tenant a's rows", lambda: rows(browser))
         wait_for("tenant a's alerts", lambda: text_of(browser, "#alerts li"))
         seen = {r["key"] for r in rows(browser)}
-        assert seen == {"tight|tenant=a", "loose-tokens|tenant=a|api_key=a-key-1"}
+        assert seen == {"tight|tenant=a", f"loose-tokens|tenant=a|api_key={key_id('a-key-1')}"}
         page = browser.find_element(By.TAG_NAME, "body").text + browser.page_source
         assert "tenant=b" not in page and "refused b" not in page
         assert "operators only" in text_of(browser, "#metrics-note")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -19,16 +17,14 @@ from spendgate.schemas.fastdecode import decode
 from spendgate.schemas.key_ids import BUILT_IN_SECRET, KeyIds, secret_fields
 from spendgate.schemas.key_settings import SubjectSecretSettings
 from spendgate.schemas.policies import Policy
+from tests.fixtures.key_ids import key_id
 
 SECRET = b"0123456789abcdef-test-secret"
 KEYS = KeyIds(SECRET)
 
 
 def expected_id(secret: bytes, field: str, value: str) -> str:
-    """The format, computed here from its definition (HMAC-SHA256, truncated, prefixed)."""
-    fp = hmac.new(secret, b"spendgate key-id fingerprint", hashlib.sha256).hexdigest()[:4]
-    mac = hmac.new(secret, f"{field}\0{value}".encode(), hashlib.sha256).hexdigest()[:24]
-    return f"sgk_{fp}_{mac}"
+    return key_id(value, field, secret)
 
 
 def policy(**fields: object) -> Policy:
@@ -157,13 +153,19 @@ def test_secret_fields_parse_and_refuse() -> None:
             secret_fields(bad)
 
 
-def test_settings_without_a_secret_use_the_public_built_in_one() -> None:
+def test_settings_without_a_secret_use_the_public_built_in_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SPENDGATE_SUBJECT_SECRET")
     keys = SubjectSecretSettings().key_ids()
     assert keys.built_in and keys.fields == ("api_key",)
     assert keys.of("k") == expected_id(BUILT_IN_SECRET, "api_key", "k")
 
 
-def test_settings_read_a_private_secret_file_and_refuse_a_shared_one(tmp_path: Path) -> None:
+def test_settings_read_a_private_secret_file_and_refuse_a_shared_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPENDGATE_SUBJECT_SECRET")
     path = tmp_path / "subject.secret"
     path.write_bytes(SECRET + b"\n")
     path.chmod(0o600)
