@@ -1,0 +1,156 @@
+"""Admission and the dashboard listen beyond loopback only with auth, or when told to."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spendgate.admission.auth import check_exposure, is_loopback, load_tokens
+from spendgate.schemas.exceptions import ConfigurationError
+
+#: Nothing listens here: the refusal must come before any connection is tried.
+CLOSED = {
+    "SPENDGATE_KAFKA_BOOTSTRAP": "127.0.0.1:9",
+    "SPENDGATE_REDIS_URL": "redis://127.0.0.1:9/0",
+}
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.20", False),
+        ("10.0.0.1", False),
+        ("example.internal", False),
+        ("", False),
+    ],
+)
+def test_which_addresses_are_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_the_check_allows_loopback_a_tokens_file_or_an_explicit_yes(tmp_path: Path) -> None:
+    check_exposure("admission", "127.0.0.1", 8787, None, False)
+    check_exposure("admission", "0.0.0.0", 8787, tmp_path / "tokens.yaml", False)
+    check_exposure("admission", "0.0.0.0", 8787, None, True)
+    with pytest.raises(ConfigurationError) as caught:
+        check_exposure("dashboard", "0.0.0.0", 8788, None, False)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "0.0.0.0:8788" in message and "SPENDGATE_AUTH_TOKENS_FILE" in message
+    assert "--allow-unauthenticated" in message
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "spendgate", *args],
+        env={**os.environ, **CLOSED, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Refused before connecting to anything (a connection attempt would retry for longer).
+    assert time.monotonic() - started < 30
+    return done
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["admission", "--host", "0.0.0.0"], {}),
+        (["admission"], {"SPENDGATE_ADMISSION_HOST": "0.0.0.0"}),
+        (["admission", "--workers", "2", "--host", "0.0.0.0"], {}),
+        (["dashboard", "--host", "0.0.0.0"], {}),
+        (["dashboard"], {"SPENDGATE_DASHBOARD_HOST": "::"}),
+    ],
+)
+def test_a_non_loopback_bind_without_auth_is_refused_in_one_line(
+    args: list[str], env: dict[str, str]
+) -> None:
+    done = _run(args, **env)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "refusing to listen on" in lines[0] and "without auth" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_allow_unauthenticated_serves_beyond_loopback() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spendgate",
+            "dashboard",
+            "--host",
+            "0.0.0.0",
+            "--allow-unauthenticated",
+        ],
+        env={**os.environ, **CLOSED, "SPENDGATE_DASHBOARD_PORT": str(port)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        answered = None
+        while time.monotonic() < deadline and proc.poll() is None and answered is None:
+            try:
+                answered = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert answered == 200, proc.stderr.read() if proc.poll() is not None else "no answer"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+class TestTokensFileMode:
+    def _write(self, path: Path, mode: int) -> Path:
+        path.write_text("very-secret-token: [acme]\n")
+        path.chmod(mode)
+        return path
+
+    @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o666])
+    def test_a_file_others_can_access_is_refused(self, tmp_path: Path, mode: int) -> None:
+        path = self._write(tmp_path / "tokens.yaml", mode)
+        with pytest.raises(ConfigurationError) as caught:
+            load_tokens(path)
+        message = str(caught.value)
+        assert f"chmod 600 {path}" in message
+        assert "very-secret-token" not in message
+
+    @pytest.mark.parametrize("mode", [0o600, 0o400])
+    def test_an_owner_only_file_is_read(self, tmp_path: Path, mode: int) -> None:
+        path = self._write(tmp_path / "tokens.yaml", mode)
+        assert load_tokens(path) == {"very-secret-token": frozenset({"acme"})}
+
+    def test_the_service_refuses_it_at_start(self, tmp_path: Path) -> None:
+        path = self._write(tmp_path / "tokens.yaml", 0o644)
+        done = _run(["admission"], SPENDGATE_AUTH_TOKENS_FILE=str(path))
+        assert done.returncode == 2
+        assert f"chmod 600 {path}" in done.stdout + done.stderr
+        assert "very-secret-token" not in done.stdout + done.stderr
