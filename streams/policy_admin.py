@@ -72,7 +72,14 @@ def _describe(n: int, item: object, exc: ValidationError) -> list[str]:
 
 
 async def publish_policies(settings: WorkerSettings, policies: list[Policy]) -> None:
-    """Write policies to the compacted policies topic (key = policy id)."""
+    """Write policies to the compacted policies topic (key = policy id), each in key-id
+    form (``KeyIds.policy``): no raw secret value reaches the topic.
+
+    Raises:
+        PolicyError: a policy has a glob on a secret field (nothing is written).
+    """
+    keys = settings.key_ids()
+    policies = [keys.policy(p) for p in policies]
     await ensure_topics(settings)
     async with AIOKafkaProducer(
         bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True
