@@ -187,10 +187,10 @@ class KeyIds:
     def record(self, raw: bytes) -> bytes:
         """A usage record's bytes with its subject's secret fields as key ids, for a dead
         letter; bytes that are not a JSON object with a ``subject`` object are returned as
-        they are (nothing in them can be found)."""
+        they are (nothing in them can be found), as are bytes nested too deep to parse."""
         try:
             doc = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         subject = doc.get("subject") if isinstance(doc, dict) else None
         if not isinstance(subject, dict):

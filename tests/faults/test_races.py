@@ -25,6 +25,7 @@ from spendgate.schemas.windows import WindowSpec
 from tests.faults.conftest import AdmissionProc, AdmissionProcs, FaultRecord, write_policies
 from tests.fixtures import held
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.key_ids import key_id
 from tests.fixtures.seeds import rng as seeded
 from tests.fixtures.services import Services
 
@@ -154,12 +155,16 @@ class TestRaces:
             )  # fmt: skip
         answers = await _fire(three, bodies)
         codes = Counter(a.status_code for a in answers)
+
+        def key_budget(body: dict[str, Any]) -> str:  # admission names it by the key id
+            return f"race-key|tenant={t2}|api_key={key_id(body['subject']['api_key'])}"
+
         per_key: Counter[str] = Counter()
         for body, answer in zip(bodies, answers, strict=True):
             if answer.status_code == 200:
                 amount = body["estimate"]["input_tokens"]
                 per_key[f"race-tenant|tenant={t2}"] += amount
-                per_key[f"race-key|tenant={t2}|api_key={body['subject']['api_key']}"] += amount
+                per_key[key_budget(body)] += amount
         limits = {"race-tenant": tenant_p.limit, "race-key": key_p.limit}
         over2 = {k: max(0, v - limits[k.split("|")[0]]) for k, v in per_key.items()}
         # Admitted totals only grow in this round (nothing is released), so a request
@@ -168,8 +173,7 @@ class TestRaces:
         for body, answer in zip(bodies, answers, strict=True):
             if answer.status_code == 429:
                 amount = body["estimate"]["input_tokens"]
-                keys = [f"race-tenant|tenant={t2}",
-                        f"race-key|tenant={t2}|api_key={body['subject']['api_key']}"]  # fmt: skip
+                keys = [f"race-tenant|tenant={t2}", key_budget(body)]
                 if all(per_key[k] + amount <= limits[k.split("|")[0]] for k in keys):
                     unjustified.append(body["request_id"])
         pend_ok = all(_pending(redis_sync, key_prefix, k) == v for k, v in per_key.items())

@@ -141,7 +141,8 @@ def test_record_bytes_for_a_dead_letter_hide_the_secret() -> None:
     assert doc["kind"] == "bogus"
     assert doc["subject"]["api_key"] == expected_id(SECRET, "api_key", "sk-raw")
     assert keys.record(hidden) == hidden
-    for opaque in (b"not json sk-raw", b"[1,2]", b'{"subject": "sk-raw"}'):
+    too_deep = b"[" * 100_000 + b"]" * 100_000
+    for opaque in (b"not json sk-raw", b"[1,2]", b'{"subject": "sk-raw"}', too_deep):
         assert keys.record(opaque) == opaque
 
 

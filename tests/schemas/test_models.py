@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
+from pydantic_settings import BaseSettings
 
 from spendgate import schemas
 from spendgate.schemas import (
@@ -125,6 +126,7 @@ def public_models() -> set[type[BaseModel]]:
             if (
                 inspect.isclass(obj)
                 and issubclass(obj, BaseModel)
+                and not issubclass(obj, BaseSettings)  # settings, not a wire model
                 and obj.__module__ == module.__name__
                 and not name.startswith("_")
             ):
