@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 from rich.console import Console
 from rich.table import Table
@@ -26,6 +27,16 @@ def say(label: str, style: str, text: str, *, out: Console | None = None) -> Non
     )
 
 
+def without_password(url: str) -> str:
+    """``url`` with any password replaced by ``***``, fit to print or log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
 _STATE_STYLE = {"vouched": "green", "stale": "yellow", "missing": "red"}
 
 
@@ -43,7 +54,12 @@ def print_decidability(out: Console) -> None:
     try:
         status = read_status_sync(client, settings.redis_prefix, int(settings.staleness_s * 1000))
     except redis.RedisError as exc:
-        say("decidable:", "yellow", f"unknown (Redis at {settings.redis_url}: {exc})", out=out)
+        say(
+            "decidable:",
+            "yellow",
+            f"unknown (Redis at {without_password(settings.redis_url)}: {exc})",
+            out=out,
+        )
         return
     finally:
         client.close()

@@ -113,6 +113,36 @@ class TestErrors:
         assert "key opus|tenant=[acme]|x [bold]not markup[/] " + "k" * 60 in text
 
 
+class TestRedisPassword:
+    @pytest.mark.parametrize(
+        ("url", "shown"),
+        [
+            ("redis://spendgate:pw-1@redis:6379/0", "redis://spendgate:***@redis:6379/0"),
+            ("rediss://:pw-1@10.0.0.5:6380/2", "rediss://:***@10.0.0.5:6380/2"),
+            ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ],
+    )
+    def test_a_printed_redis_url_hides_its_password(self, url: str, shown: str) -> None:
+        from spendgate._cli_output import without_password
+
+        assert without_password(url) == shown
+
+    def test_status_names_an_unreachable_redis_without_its_password(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from rich.console import Console
+
+        from spendgate._cli_output import print_decidability
+
+        # Port 1 on loopback refuses at once: the error path prints the URL.
+        monkeypatch.setenv("SPENDGATE_REDIS_URL", "redis://spendgate:pw-hunter2@127.0.0.1:1/0")
+        out = Console(width=200, record=True, color_system=None)
+        print_decidability(out)
+        text = out.export_text()
+        assert "unknown (Redis at redis://spendgate:***@127.0.0.1:1/0" in text, text
+        assert "pw-hunter2" not in text
+
+
 class TestFlags:
     @pytest.mark.parametrize("command", [*COMMANDS, ["replay"], ["alerts", "tail"]], ids=str)
     def test_no_option_shows_a_bool_metavar(self, command: list[str]) -> None:
