@@ -22,7 +22,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import overload
 
 import msgspec
 
@@ -47,8 +47,6 @@ BUILT_IN_SECRET = b"spendgate built-in subject secret: public, configure your ow
 _NEVER_SECRET = frozenset({"tenant", "model", "pool"})
 _ID = re.compile(r"sgk_([0-9a-f]{4})_[0-9a-f]{24}")
 _MAC_HEX = 24
-
-S = TypeVar("S", Subject, FastSubject)
 
 
 def _is_any_id(value: str) -> bool:
@@ -132,7 +130,14 @@ class KeyIds:
         """Whether subject field ``name`` is secret."""
         return name in self.fields
 
-    def subject(self, subject: S) -> S:
+    @overload
+    def subject(self, subject: Subject) -> Subject: ...
+    @overload
+    def subject(self, subject: FastSubject) -> FastSubject: ...
+    @overload
+    def subject(self, subject: Subject | FastSubject) -> Subject | FastSubject: ...
+
+    def subject(self, subject: Subject | FastSubject) -> Subject | FastSubject:
         """``subject`` with every secret field a key id (the same object when it already is)."""
         changes: dict[str, object] = {}
         for name in self._plain:

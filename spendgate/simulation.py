@@ -20,7 +20,7 @@ from spendgate.schemas.burst import BurstState
 from spendgate.schemas.decision import DecisionResult, PlanInput, decide
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.exceptions import SpendgateError
-from spendgate.schemas.fastdecode import decode
+from spendgate.schemas.fastdecode import FastSubject, decode
 from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import PriceCatalog
@@ -219,12 +219,12 @@ class Simulation:
             self._flush()
         return self.states.get(key)
 
-    def _keys(self, subject: object) -> tuple[str | None, ...]:
+    def _keys(self, subject: Subject | FastSubject) -> tuple[str | None, ...]:
         """The draft keys a record for ``subject`` touches (``(None,)``: not known)."""
         try:
             if self.key_ids is not None:
-                subject = self.key_ids.subject(subject)  # type: ignore[type-var]
-            return tuple(t.key for t in self.rules.index.targets(subject))  # type: ignore[arg-type]
+                subject = self.key_ids.subject(subject)
+            return tuple(t.key for t in self.rules.index.targets(subject))
         except Exception:  # noqa: BLE001 - the fold refuses it; fold it before judging
             return (None,)
 
