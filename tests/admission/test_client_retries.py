@@ -1,7 +1,9 @@
-"""The client retries 5xx (503 ``outcome_unknown`` included) boundedly, honouring Retry-After."""
+"""The client retries 5xx (503 ``outcome_unknown`` included) boundedly, honouring Retry-After;
+it sends secret subject fields as key ids."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -9,6 +11,8 @@ import pytest
 
 from spendgate.admission.client import AdmissionClient, AsyncAdmissionClient
 from spendgate.admission.exceptions import AdmissionUnavailable
+from spendgate.schemas.key_ids import KeyIds
+from tests.fixtures.key_ids import TEST_SECRET, key_id
 
 UNKNOWN = {"error": {"code": "outcome_unknown", "message": "no ack in time; retry is safe"}}
 
@@ -74,3 +78,47 @@ class TestRetries:
         assert 0.05 <= waits[0] <= 0.1
         assert 0.1 <= waits[1] <= 0.2
         assert all(0.25 <= w <= 0.5 for w in waits[3:])
+
+
+class Recorder:
+    """Answers every admit ``allow`` and keeps the bodies it was sent."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, object]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"decision": "allow", "reservation_id": "r1"})
+
+
+class TestKeyIds:
+    """With the deployment's key ids, a raw API key never leaves the calling process."""
+
+    SUBJECT = {"tenant": "acme", "api_key": "sk-live-raw-1", "model": "m", "labels": {"t": "x"}}
+
+    def test_sync_admit_sends_the_key_id(self) -> None:
+        seen = Recorder()
+        keys = KeyIds(TEST_SECRET.encode())
+        transport = httpx.MockTransport(seen)
+        with AdmissionClient("http://adm", transport=transport, key_ids=keys) as client:
+            client.admit(self.SUBJECT, {"input_tokens": 5}, request_id="q1")
+        (body,) = seen.bodies
+        assert body["subject"] == {**self.SUBJECT, "api_key": key_id("sk-live-raw-1")}
+        assert "sk-live-raw-1" not in json.dumps(body)
+
+    async def test_async_admit_sends_the_key_id(self) -> None:
+        seen = Recorder()
+        keys = KeyIds(TEST_SECRET.encode())
+        transport = httpx.MockTransport(seen)
+        async with AsyncAdmissionClient("http://adm", transport=transport, key_ids=keys) as c:
+            await c.admit(self.SUBJECT, {"input_tokens": 5}, request_id="q1")
+        (body,) = seen.bodies
+        assert body["subject"]["api_key"] == key_id("sk-live-raw-1")
+        assert body["subject"]["tenant"] == "acme"
+
+    def test_without_key_ids_admission_is_sent_the_value(self) -> None:
+        # Then admission makes the key id itself (tests/integration/test_no_raw_keys.py).
+        seen = Recorder()
+        with AdmissionClient("http://adm", transport=httpx.MockTransport(seen)) as client:
+            client.admit(self.SUBJECT, {"input_tokens": 5}, request_id="q1")
+        assert seen.bodies[0]["subject"]["api_key"] == "sk-live-raw-1"
