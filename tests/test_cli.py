@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from spendgate.cli import app
+from tests.fixtures.key_ids import key_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +31,7 @@ COMMANDS = [
     ["policy", "delete"],
     ["demo"],
     ["dashboard"],
+    ["key-id"],
 ]
 
 
@@ -111,6 +113,40 @@ class TestErrors:
         say("error:", "red", "key opus|tenant=[acme]|x [bold]not markup[/] " + "k" * 60, out=out)
         text = out.export_text().replace("\n", "")
         assert "key opus|tenant=[acme]|x [bold]not markup[/] " + "k" * 60 in text
+
+
+class TestKeyId:
+    """``spendgate key-id``: what an operator looks a raw API key up by."""
+
+    def test_prints_the_key_id_of_the_deployments_secret(self) -> None:
+        # tests/conftest.py sets SPENDGATE_SUBJECT_SECRET to TEST_SECRET.
+        result = CliRunner().invoke(app, ["key-id", "sk-live-1"])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == key_id("sk-live-1") + "\n"
+        fields = {"SPENDGATE_SECRET_FIELDS": "api_key,labels.user"}
+        labelled = CliRunner().invoke(app, ["key-id", "u-7", "--field", "labels.user"], env=fields)
+        assert labelled.stdout == key_id("u-7", "labels.user") + "\n", labelled.output
+
+    def test_reads_the_value_from_stdin_with_a_dash(self) -> None:
+        result = CliRunner().invoke(app, ["key-id", "-"], input="sk-live-2\n")
+        assert result.exit_code == 0, result.output
+        assert result.stdout == key_id("sk-live-2") + "\n"
+
+    def test_refuses_a_field_that_is_not_secret(self) -> None:
+        result = CliRunner().invoke(app, ["key-id", "acme", "--field", "tenant"])
+        assert result.exit_code == 2
+        assert "'tenant' is not a secret field" in result.output
+        assert result.stdout == ""
+
+    def test_says_when_the_secret_is_the_public_built_in_one(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.delenv("SPENDGATE_SUBJECT_SECRET")
+        result = CliRunner().invoke(app, ["key-id", "sk-live-1"])
+        assert result.exit_code == 0, result.output
+        builtin = b"spendgate built-in subject secret: public, configure your own"
+        assert result.stdout == key_id("sk-live-1", secret=builtin) + "\n"
+        assert "public built-in secret" in result.stderr
 
 
 class TestRedisPassword:
