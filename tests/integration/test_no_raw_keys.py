@@ -179,8 +179,9 @@ class TestNoRawKeyAtRest:
         redis_sync: redis.Redis,
     ) -> None:
         """Records an older version wrote raw; its Redis keys raw. After the upgrade steps
-        (wipe the prefix, replay under key ids) the windows are whole under the ids and no
-        raw value is in Redis or on any topic spendgate writes."""
+        (wipe the prefix, a worker under a new app id) the windows are whole under the ids,
+        replay --verify agrees, and no raw value is in Redis or on any topic spendgate
+        writes."""
         tag = uuid.uuid4().hex[:10]
         raw, broken = f"sk-old-{tag}", f"sk-broken-{tag}"
         policy = policy_factory(limit=10_000, unit="requests", group_by=["tenant", "api_key"])
@@ -209,9 +210,9 @@ class TestNoRawKeyAtRest:
             "SPENDGATE_APP_ID": s.app_id,
         }
 
-        def replay(**more: str) -> None:
+        def replay(*args: str, **more: str) -> None:
             done = subprocess.run(
-                [sys.executable, "-m", "spendgate", "replay"],
+                [sys.executable, "-m", "spendgate", "replay", *args],
                 env={**env, **more},
                 capture_output=True,
                 text=True,
@@ -223,16 +224,12 @@ class TestNoRawKeyAtRest:
         replay(SPENDGATE_SECRET_FIELDS="")
         old_key = f"{policy.id}|tenant=t1|api_key={raw}"
         assert window_sum(redis_sync, s.redis_prefix, old_key) == 7
-        # The upgrade: wipe the prefix, replay under the new setting.
+        # The upgrade (README, "Upgrading to key ids"): wipe the prefix, start the worker
+        # under a new app id (fresh tables and changelogs): it folds the usage topic again,
+        # under key ids.
         for key in redis_sync.scan_iter(match=f"{s.redis_prefix}*", count=1000):
             redis_sync.delete(key)
-        replay()
         new_key = f"{policy.id}|tenant=t1|api_key={key_id(raw)}"
-        assert window_sum(redis_sync, s.redis_prefix, new_key) == 7
-        stored = redis_dump(redis_sync, s.redis_prefix)
-        assert holders(stored, raw) == [] and holders(stored, broken) == []
-        # The worker's own writes: dead letters carry the malformed record with the key id.
-        workers.start()
         dlq = s.topic("dlq")
 
         async def dead_lettered() -> bool:
@@ -241,12 +238,21 @@ class TestNoRawKeyAtRest:
                 for r in await read_records(s.kafka_bootstrap, dlq)
             )
 
-        for _ in range(180):
+        workers.start()
+        rebuilt = "the worker rebuilt the window under the key id"
+        await eventually(lambda: window_sum(redis_sync, s.redis_prefix, new_key) == 7, 120, rebuilt)
+        # Its own writes: the dead letter carries the malformed record with the key id.
+        for _ in range(120):
             if await dead_lettered():
                 break
             await asyncio.sleep(0.5)
         assert await dead_lettered(), "no dead letter with the key id"
+        stored = redis_dump(redis_sync, s.redis_prefix)
+        assert holders(stored, raw) == [] and holders(stored, broken) == []
+        assert window_sum(redis_sync, s.redis_prefix, old_key) == 0
         workers.stop_all()
+        # A replay under the new setting finds the same windows (and restores a lost Redis).
+        replay("--verify")
         topics = await topic_dump(s.kafka_bootstrap, s.topic_prefix)
         for name, blobs in topics.items():
             if name == s.topic("usage"):
