@@ -44,6 +44,7 @@ from spendgate.admission.decide import (
 from spendgate.admission.delay import Delays, Gone, Held, delay_of, waitable_ms
 from spendgate.admission.exceptions import (
     AdmissionError,
+    BadRequest,
     Overloaded,
     PublishUnavailable,
     StoreUnavailable,
@@ -149,8 +150,23 @@ class AdmitService:
         return planner
 
     def subject(self, subject: Subject) -> Subject:
-        """``subject`` with its secret fields as key ids (as every request is decided)."""
-        return subject if self.key_ids is None else self.key_ids.subject(subject)
+        """``subject`` with its secret fields as key ids (as every request is decided).
+
+        Raises:
+            BadRequest: a secret field holds a key id made with another subject secret.
+        """
+        keys = self.key_ids
+        if keys is None:
+            return subject
+        foreign = keys.foreign_field(subject)
+        if foreign is not None:
+            raise BadRequest(
+                f"subject.{foreign} is a key id made with another subject secret than this "
+                f"service's (sgk_{keys.fingerprint}_...): every client and service of a "
+                "deployment must share SPENDGATE_SUBJECT_SECRET",
+                field=f"subject.{foreign}",
+            )
+        return keys.subject(subject)
 
     def _protected(self, body: AdmitRequest) -> AdmitRequest:
         subject = self.subject(body.subject)

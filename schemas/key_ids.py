@@ -126,6 +126,21 @@ class KeyIds:
         found = _ID.fullmatch(value)
         return found is not None and found.group(1) != self.fingerprint
 
+    def foreign_field(self, subject: Subject | FastSubject) -> str | None:
+        """The first secret field of ``subject`` (``api_key``, ``labels.NAME``) holding a key
+        id made with another secret, or None: a caller or producer configured with another
+        SPENDGATE_SUBJECT_SECRET, whose ids would name other budgets than this one's."""
+        for name in self._plain:
+            value = getattr(subject, name, None)
+            if isinstance(value, str) and self.foreign(value):
+                return name
+        labels = subject.labels or {}
+        for name in self._labels:
+            value = labels.get(name)
+            if isinstance(value, str) and self.foreign(value):
+                return LABEL_PREFIX + name
+        return None
+
     def secret_field(self, name: str) -> bool:
         """Whether subject field ``name`` is secret."""
         return name in self.fields

@@ -12,10 +12,12 @@ import pytest
 from pydantic import ValidationError
 
 from spendgate.schemas.decisions import AdmitRequest
+from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.prices import ModelPrice, PriceCatalog
 from spendgate.schemas.redis_keys import request_key
 from tests.fixtures.admission import MakeAdmission, RecordingPublisher
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.key_ids import TEST_SECRET, key_id
 
 pytestmark = pytest.mark.integration
 
@@ -452,3 +454,45 @@ class TestHeaders:
         assert answer.status_code == 200, answer.text
         assert answer.json()["model"] == "坙-m1"
         assert answer.headers["Spendgate-Model"] == "%E5%9D%99-m1"
+
+
+class TestKeyIds:
+    """Admission decides, stores and publishes a secret subject field only as its key id."""
+
+    async def test_a_raw_api_key_is_decided_and_published_as_its_key_id(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission(key_ids=KeyIds(TEST_SECRET.encode()))
+        policy = policy_factory(limit=10, unit="requests", group_by=["tenant", "api_key"])
+        await adm.policies(policy)
+        subject = {"tenant": "acme", "api_key": "sk-live-raw-9", "model": "m1"}
+        ok = await adm.admit("acme", subject=subject, requests=4)
+        assert ok.status_code == 200, ok.text
+        key = f"{policy.id}|tenant=acme|api_key={key_id('sk-live-raw-9')}"
+        assert [b["key"] for b in ok.json()["budgets"]] == [key]
+        assert await adm.pending(key) == 4
+        (event,) = adm.publisher.events  # type: ignore[attr-defined]
+        assert event.subject.api_key == key_id("sk-live-raw-9")
+        # The client library's key id is the same budget: 4 + 7 > 10.
+        again = dict(subject, api_key=key_id("sk-live-raw-9"))
+        refused = await adm.admit("acme", subject=again, requests=7)
+        assert refused.status_code == 429, refused.text
+        listed = await adm.http.get(
+            "/v1/budgets", params={"tenant": "acme", "api_key": "sk-live-raw-9"}
+        )
+        assert [b["key"] for b in listed.json()["budgets"]] == [key]
+        assert "sk-live-raw-9" not in ok.text + refused.text + listed.text
+
+    async def test_a_key_id_of_another_secret_is_refused_naming_the_field(
+        self, make_admission: MakeAdmission, policy_factory: PolicyFactory
+    ) -> None:
+        adm = await make_admission(key_ids=KeyIds(TEST_SECRET.encode()))
+        await adm.policies(policy_factory(limit=10, unit="requests"))
+        other = key_id("sk-live-raw-9", secret=b"another deployment's secret")
+        subject = {"tenant": "acme", "api_key": other, "model": "m1"}
+        answer = await adm.admit("acme", subject=subject, requests=1)
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert error["field"] == "subject.api_key"
+        assert "another subject secret" in error["message"]
+        assert not adm.publisher.events  # type: ignore[attr-defined]
