@@ -10,7 +10,6 @@ malformed one) rebuilt by ``spendgate replay`` under key ids.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import uuid
@@ -26,7 +25,7 @@ from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import eventually, pending_sum, produce, read_records, window_sum
 from tests.fixtures.key_ids import key_id
-from tests.fixtures.pipeline import ApplyPolicies, Workers
+from tests.fixtures.pipeline import ApplyPolicies, Workers, settings_env
 
 pytestmark = pytest.mark.integration
 
@@ -201,14 +200,7 @@ class TestNoRawKeyAtRest:
         bad = f'{{"event_id":"x-{tag}","kind":"commit","subject":{{"api_key":"{broken}"}}}}'
         records.append((b"t1", bad.encode()))
         await produce(s.kafka_bootstrap, s.topic("usage"), records)
-        env = {
-            **os.environ,
-            "SPENDGATE_KAFKA_BOOTSTRAP": s.kafka_bootstrap,
-            "SPENDGATE_REDIS_URL": s.redis_url,
-            "SPENDGATE_TOPIC_PREFIX": s.topic_prefix,
-            "SPENDGATE_REDIS_PREFIX": s.redis_prefix,
-            "SPENDGATE_APP_ID": s.app_id,
-        }
+        env = settings_env(s)
 
         def replay(*args: str, **more: str) -> None:
             done = subprocess.run(
