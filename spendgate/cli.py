@@ -39,6 +39,8 @@ dev = typer.Typer(help="Run a local Kafka broker and Redis server (no Docker).",
 policy = typer.Typer(help="Apply, list and delete budget policies.", **_PLAIN)  # type: ignore[arg-type]
 schema = typer.Typer(help="The JSON Schemas of events, policies and API bodies.", **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(dev, name="dev")
+cluster = typer.Typer(help="Run a local Redis Cluster on loopback.", **_PLAIN)  # type: ignore[arg-type]
+dev.add_typer(cluster, name="cluster")
 app.add_typer(policy, name="policy")
 alerts = typer.Typer(help="Read budget alerts.", **_PLAIN)  # type: ignore[arg-type]
 app.add_typer(schema, name="schema")
@@ -104,6 +106,53 @@ def dev_status() -> None:
     out.print(table)
     print_decidability(out)
     print_worker_readiness(out)
+
+
+@cluster.command("up")
+def cluster_up() -> None:
+    """Start the cluster's nodes (ports from SPENDGATE_CLUSTER_PORT, 7100), create the
+    cluster once, and wait until every slot is served and every replica is in sync."""
+    from spendgate.devcluster import ClusterSettings, LocalCluster
+
+    nodes = LocalCluster(ClusterSettings())
+    with console.status("starting the Redis Cluster ..."):
+        statuses = nodes.up()
+    for s in statuses:
+        console.print(f"[green]up[/] {s.role:<7} 127.0.0.1:{s.port} pid {s.pid} log {s.log}")
+    console.print(f"cluster: {nodes.url}", soft_wrap=True)
+
+
+@cluster.command("down")
+def cluster_down(
+    wipe: Annotated[
+        bool, typer.Option("--wipe", help="Also delete every node's data and cluster config.")
+    ] = False,
+) -> None:
+    """Stop the cluster's nodes that `dev cluster up` started (and nothing else)."""
+    from spendgate.devcluster import ClusterSettings, LocalCluster
+
+    nodes = LocalCluster(ClusterSettings())
+    stopped = nodes.down()
+    console.print(f"stopped: {', '.join(map(str, stopped)) or 'nothing was running'}")
+    if wipe:
+        nodes.wipe()
+        console.print(f"wiped {nodes.dir}")
+
+
+@cluster.command("status")
+def cluster_status() -> None:
+    """Show each node's pid, port, role and log, and whether the cluster is healthy."""
+    from spendgate.devcluster import ClusterSettings, LocalCluster
+
+    nodes = LocalCluster(ClusterSettings())
+    table = Table("node", "state", "role", "pid", "log")
+    for s in nodes.status():
+        state = "[green]running[/]" if s.running else "[red]stopped[/]"
+        table.add_row(f"127.0.0.1:{s.port}", state, s.role, str(s.pid or "-"), str(s.log))
+    out = Console()
+    out.print(table)
+    healthy = nodes.healthy()
+    say("cluster:", "green" if healthy else "red", "healthy" if healthy else "not healthy", out=out)
 
 
 ListenHost = Annotated[

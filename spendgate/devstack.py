@@ -62,13 +62,15 @@ class ServiceStatus:
     log: Path
 
 
-def _port_open(port: int, host: str = "127.0.0.1") -> bool:
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on ``host:port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
         return sock.connect_ex((host, port)) == 0
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,6 +80,30 @@ def _alive(pid: int) -> bool:
     # A zombie child still answers kill(0); treat it as dead.
     stat = Path(f"/proc/{pid}/stat")
     return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
+
+
+def redis_binary() -> str:
+    """The ``redis-server`` on PATH; as root on Debian, installed with apt first when missing."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    apt = shutil.which("apt-get")
+    if apt and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run([apt, "-qq", "update"], check=False, capture_output=True, env=env)
+        subprocess.run(
+            [apt, "install", "-y", "-qq", "redis-server"],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
+        found = shutil.which("redis-server")
+        if found:
+            return found
+    raise ConfigurationError(
+        "redis-server is not installed: run `sudo apt-get install redis-server` "
+        "(Debian/Ubuntu) or install Redis >= 7 and put redis-server on PATH"
+    )
 
 
 class LocalStack:
@@ -104,7 +130,7 @@ class LocalStack:
         if not path.exists():
             return None
         pid = int(path.read_text().strip() or 0)
-        if pid and _alive(pid):
+        if pid and alive(pid):
             return pid
         path.unlink(missing_ok=True)
         return None
@@ -118,13 +144,13 @@ class LocalStack:
         for name in SERVICES:
             pid = self.pid(name)
             port = self._port(name)
-            running = pid is not None and _port_open(port)
+            running = pid is not None and port_open(port)
             out.append(ServiceStatus(name, pid, port, running, self.log_path(name)))
         return out
 
     def _refuse_foreign_port(self, name: Service, *ports: int) -> None:
         for port in ports:
-            if _port_open(port):
+            if port_open(port):
                 raise ConfigurationError(
                     f"port {port} (for {name}) is already in use by a process spendgate did not "
                     f"start; stop it or choose another port (SPENDGATE_"
@@ -283,33 +309,11 @@ class LocalStack:
     def _kafka_ready(self) -> bool:
         from spendgate._kafka_probe import metadata_ok
 
-        return _port_open(self.settings.kafka_port) and metadata_ok(
+        return port_open(self.settings.kafka_port) and metadata_ok(
             f"127.0.0.1:{self.settings.kafka_port}"
         )
 
     # -- Redis -------------------------------------------------------------------------------
-    def _redis_binary(self) -> str:
-        found = shutil.which("redis-server")
-        if found:
-            return found
-        apt = shutil.which("apt-get")
-        if apt and os.geteuid() == 0:
-            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            subprocess.run([apt, "-qq", "update"], check=False, capture_output=True, env=env)
-            subprocess.run(
-                [apt, "install", "-y", "-qq", "redis-server"],
-                check=True,
-                capture_output=True,
-                env=env,
-            )
-            found = shutil.which("redis-server")
-            if found:
-                return found
-        raise ConfigurationError(
-            "redis-server is not installed: run `sudo apt-get install redis-server` "
-            "(Debian/Ubuntu) or install Redis >= 7 and put redis-server on PATH"
-        )
-
     def redis_command(self, binary: str = "redis-server") -> list[str]:
         """The ``redis-server`` command line of the stack (persistent, never evicting)."""
         s = self.settings
@@ -338,7 +342,7 @@ class LocalStack:
         ]
 
     def _start_redis(self) -> int:
-        binary = self._redis_binary()
+        binary = redis_binary()
         self._refuse_foreign_port("redis", self.settings.redis_port)
         (self.dir / "redis").mkdir(parents=True, exist_ok=True)
         cmd = self.redis_command(binary)
@@ -348,7 +352,7 @@ class LocalStack:
         return proc.pid
 
     def _redis_ready(self) -> bool:
-        if not _port_open(self.settings.redis_port):
+        if not port_open(self.settings.redis_port):
             return False
         with socket.create_connection(("127.0.0.1", self.settings.redis_port), 1) as sock:
             sock.sendall(b"PING\r\n")
@@ -399,11 +403,11 @@ class LocalStack:
                 continue
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 30
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
                 time.sleep(0.2)
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
             self._pidfile(name).unlink(missing_ok=True)
             stopped.append(name)

@@ -1,0 +1,82 @@
+"""`spendgate dev cluster`: a real Redis Cluster on loopback forms, serves, fails over.
+
+Runs its own cluster on ports the suite's cluster does not use, in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
+
+from spendgate.devcluster import ClusterSettings, LocalCluster
+from tests.fixtures.admission import free_port
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> LocalCluster:
+    first = free_port()
+    while any(_taken(first + i) for i in range(6)):
+        first = free_port()
+    nodes = LocalCluster(ClusterSettings(cluster_port=first, stack_dir=tmp_path))
+    yield nodes
+    nodes.down()
+
+
+def _taken(port: int) -> bool:
+    try:
+        redis.Redis(port=port, socket_connect_timeout=0.2).ping()
+    except (redis.RedisError, OSError):
+        return False
+    return True
+
+
+def test_the_cluster_forms_serves_and_fails_over(own_cluster: LocalCluster) -> None:
+    nodes = own_cluster
+    statuses = nodes.up()
+    assert [s.role for s in statuses].count("master") == 3
+    assert [s.role for s in statuses].count("replica") == 3
+    assert nodes.healthy()
+    client = RedisCluster.from_url(nodes.url)
+    try:
+        # Keys sharing a hash tag run in one script; keys of two slots never do.
+        script = client.register_script(
+            "return redis.call('INCRBY', KEYS[1], 2) + redis.call('INCR', KEYS[2])"
+        )
+        assert script(keys=["t:{s1}a", "t:{s1}b"]) == 3
+        with pytest.raises(RedisClusterException, match="same key slot"):
+            script(keys=["t:{s1}a", "t:{s2}b"])
+        # kill -9 the master of {s1}: its replica takes over with the write.
+        master = client.get_node_from_key("t:{s1}a").port
+        pid = nodes.pid(master)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                value = client.get("t:{s1}a")
+                break
+            except (redis.RedisError, OSError):
+                assert time.monotonic() < deadline, "no failover in 30 s"
+                time.sleep(0.3)
+        assert value == b"2"
+        assert client.get_node_from_key("t:{s1}a").port != master
+        assert not nodes.healthy()
+        # The killed node rejoins as a replica of its old slots' new master.
+        nodes.start_node(master)
+        deadline = time.monotonic() + 30
+        while not nodes.healthy():
+            assert time.monotonic() < deadline, "the node did not rejoin in 30 s"
+            time.sleep(0.3)
+        assert nodes.role(master) == "replica"
+    finally:
+        client.close()
+    assert sorted(nodes.down()) == nodes.ports
+    nodes.wipe()
+    assert not nodes.dir.exists()
