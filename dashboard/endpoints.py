@@ -16,11 +16,11 @@ from spendgate.admission.wire import error_content
 from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import MAX_PAGE, BudgetReader, Sort
 from spendgate.dashboard.sessions import Sessions
-from spendgate.dashboard.views import tenant_of
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.matching import budget_key, parse_key
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.refusals import Refusal
+from spendgate.schemas.shards import tenant_of
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "spendgate_session"

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from spendgate.dashboard.views import KeyRow, key_row, tenant_of, window_series
+from spendgate.dashboard.views import KeyRow, key_row, window_series
 from spendgate.schemas import window_codec
 from spendgate.schemas.matching import parse_key
 from spendgate.schemas.policies import Policy
@@ -21,6 +21,7 @@ from spendgate.schemas.redis_keys import (
     utilization_key,
     window_key,
 )
+from spendgate.schemas.shards import tenant_of
 
 Sort = Literal["share", "key", "policy", "tenant"]
 #: Index members fetched per call while filtering (names and scores only, no windows).

@@ -11,21 +11,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from spendgate.schemas import window_codec, windows
 from spendgate.schemas.forecast import forecast
-from spendgate.schemas.matching import is_exact, parse_key
+from spendgate.schemas.matching import parse_key
 from spendgate.schemas.policies import Policy
+from spendgate.schemas.shards import tenant_of
 from spendgate.schemas.windows import WindowSpec
 
 #: The decision kinds admission counts (``spendgate_admission_decisions_total``).
 REFUSED = ("reject",)
-
-
-def tenant_of(policy: Policy, fields: Mapping[str, str]) -> str | None:
-    """The tenant a budget key belongs to: its ``tenant`` group-by value, else the
-    policy's exact ``match`` on tenant; ``None`` (operators only) when neither pins one."""
-    if "tenant" in fields:
-        return fields["tenant"]
-    pattern = policy.match.get("tenant")
-    return pattern if pattern is not None and is_exact(pattern) else None
 
 
 def spec_of(policy: Policy) -> WindowSpec:

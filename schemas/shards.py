@@ -16,6 +16,7 @@ tenant (:func:`schemas.events.partition_key`); a keyed record by its budget key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from spendgate.schemas.matching import is_exact
@@ -73,6 +74,15 @@ def tenant_scoped(policy: Policy) -> bool:
     value (no glob): all such events share a usage partition.
     """
     return "tenant" in policy.group_by or is_exact(policy.match.get("tenant", "*"))
+
+
+def tenant_of(policy: Policy, fields: Mapping[str, str]) -> str | None:
+    """The tenant a budget key belongs to: its ``tenant`` group-by value, else the
+    policy's exact ``match`` on tenant; ``None`` (operators only) when neither pins one."""
+    if "tenant" in fields:
+        return fields["tenant"]
+    pattern = policy.match.get("tenant")
+    return pattern if pattern is not None and is_exact(pattern) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,10 @@ import pytest
 
 from spendgate.admission.auth import Principal
 from spendgate.dashboard.app import Sessions
-from spendgate.dashboard.views import key_row, parse_scrape, rates, tenant_of, window_series
+from spendgate.dashboard.views import key_row, parse_scrape, rates, window_series
 from spendgate.schemas import window_codec
 from spendgate.schemas.policies import Policy
+from spendgate.schemas.shards import tenant_of
 
 MIN = 60_000
 
