@@ -8,6 +8,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from spendgate.schemas.key_settings import SubjectSecretSettings
+from spendgate.schemas.types import Switch
 
 
 class AdmissionSettings(SubjectSecretSettings):
@@ -28,7 +29,7 @@ class AdmissionSettings(SubjectSecretSettings):
     #: which only a loopback address allows unless ``allow_unauthenticated``. Mode 600.
     auth_tokens_file: Path | None = None
     #: Listen beyond loopback without a tokens file (whoever reaches it acts for anyone).
-    allow_unauthenticated: bool = False
+    allow_unauthenticated: Switch = False
     #: How often the policies materialized in Redis are re-read.
     policy_refresh_s: float = Field(1.0, gt=0)
     #: Events waiting to be published or acked; when full, the failure mode decides.

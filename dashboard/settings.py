@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from spendgate.schemas.types import Switch
+
 
 class DashboardSettings(BaseSettings):
     """Everything ``spendgate dashboard`` reads from its environment."""
@@ -24,7 +26,7 @@ class DashboardSettings(BaseSettings):
     #: ``allow_unauthenticated``. Mode 600.
     auth_tokens_file: Path | None = None
     #: Listen beyond loopback without a tokens file (whoever reaches it sees every tenant).
-    allow_unauthenticated: bool = False
+    allow_unauthenticated: Switch = False
     #: Where the admission service's and the worker's Prometheus metrics are scraped.
     admission_metrics_url: str = "http://127.0.0.1:8787/metrics"
     worker_metrics_url: str = "http://127.0.0.1:9464/metrics"

@@ -113,7 +113,10 @@ class KeyIds:
         """The key id of ``value`` in ``field_name``; a key id is returned as it is."""
         if _is_any_id(value):
             return value
-        mac = hmac.new(self.secret, f"{field_name}\0{value}".encode(), hashlib.sha256).hexdigest()
+        # surrogatepass: a lone surrogate (JSON allows "\ud800") still has an id, where
+        # a strict encode would raise in the middle of a dead letter.
+        data = f"{field_name}\0{value}".encode("utf-8", "surrogatepass")
+        mac = hmac.new(self.secret, data, hashlib.sha256).hexdigest()
         return f"{PREFIX}{self.fingerprint}_{mac[:_MAC_HEX]}"
 
     def is_id(self, value: str) -> bool:
@@ -186,7 +189,8 @@ class KeyIds:
             PolicyError: a ``match`` value on a secret field is a glob: only key ids are
                 stored, so no pattern over the raw values can be evaluated. The message
                 names the field (``field match.api_key: ...``), not the policy, and does
-                not repeat the pattern, which may hold part of a key.
+                not repeat the pattern, which may hold part of a key. Or the value is a key
+                id made with another secret (it would never match).
         """
         changed = dict(policy.match)
         for name, pattern in policy.match.items():
@@ -198,6 +202,12 @@ class KeyIds:
                     "stored only as key ids, so it takes an exact value (hashed when applied) "
                     "or '*', not a glob; list the keys one policy each, or group_by "
                     f"{name} under a broader match"
+                )
+            if self.foreign(pattern):
+                raise PolicyError(
+                    f"field match.{name}: a key id made with another subject secret than "
+                    f"this one's (sgk_{self.fingerprint}_...): it would match nothing; "
+                    "apply with the deployment's SPENDGATE_SUBJECT_SECRET"
                 )
             changed[name] = self.of(pattern, name)
         if changed == policy.match:

@@ -6,7 +6,7 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 #: Largest amount any counter holds: Redis Lua numbers are doubles, exact to 2**53.
 MAX_AMOUNT = 2**53 - 1
@@ -18,6 +18,18 @@ Identifier = Annotated[str, Field(min_length=1, max_length=200)]
 SubjectValue = Annotated[str, Field(min_length=1, max_length=200)]
 #: A model name or a glob over model names (``claude-opus-*``), as in a price catalog.
 ModelPattern = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+def _strict_bool(value: object) -> object:
+    """``true``/``false`` (any case) from the environment; booleans as they are; anything
+    else (``yes``, ``1``, ``on``) is left for the bool check to refuse."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value
+
+
+#: A setting that is a switch: only ``true`` or ``false``, never a guess from ``yes``/``1``.
+Switch = Annotated[bool, BeforeValidator(_strict_bool), Field(strict=True)]
 
 Unit = Literal[
     "requests", "input_tokens", "output_tokens", "total_tokens", "cost_usd", "gpu_seconds"

@@ -200,7 +200,7 @@ def key_id(
             f"{','.join(keys.fields) or 'none'}): it is stored as sent",
             param_hint="--field",
         )
-    raw = sys.stdin.readline().rstrip("\n") if value == "-" else value
+    raw = sys.stdin.readline().rstrip("\r\n") if value == "-" else value
     if keys.built_in:
         note = "no SPENDGATE_SUBJECT_SECRET(_FILE): the public built-in secret"
         say("note", "yellow", note, out=Console(stderr=True))

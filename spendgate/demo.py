@@ -132,8 +132,13 @@ async def _one_request(
 
 
 async def _late_reports(tally: Tally, clock: Clock, seconds: float, rng: random.Random) -> None:
-    """Every few seconds an inference worker reports usage late, straight to Kafka."""
+    """Every few seconds an inference worker reports usage late, straight to Kafka (its
+    API keys as key ids, as a producer with the deployment's subject secret writes them)."""
     from aiokafka import AIOKafkaProducer
+
+    from spendgate.schemas.key_settings import SubjectSecretSettings
+
+    keys = SubjectSecretSettings().key_ids()
 
     bootstrap = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     topic = os.environ.get("SPENDGATE_TOPIC_PREFIX", "budget.") + "usage"
@@ -172,7 +177,7 @@ async def _late_reports(tally: Tally, clock: Clock, seconds: float, rng: random.
                 event_id=uuid.uuid4().hex,
                 subject={
                     "tenant": tenant,
-                    "api_key": rng.choice(TENANTS[tenant]["keys"]),
+                    "api_key": keys.of(rng.choice(TENANTS[tenant]["keys"])),
                     "model": model,
                 },
                 occurred_at=occurred,

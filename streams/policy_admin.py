@@ -66,7 +66,9 @@ def _describe(n: int, item: object, exc: ValidationError) -> list[str]:
     lines = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(p) for p in err["loc"]) or "(policy)"
-        got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
+        # A match value may be a secret (an API key): never repeated.
+        shown = err["loc"] and err["type"] != "missing" and err["loc"][0] != "match"
+        got = f" (got {err['input']!r})" if shown else ""
         lines.append(f"{who} field {where}: {err['msg']}{got}")
     return lines
 

@@ -54,8 +54,16 @@ class PolicyBook:
                 policy = Policy.model_validate_json(value)
                 if self.key_ids is not None:
                     policy = self.key_ids.policy(policy)
-            except (ValidationError, PolicyError) as exc:
-                # `policy apply` validates first, so this is a foreign writer; keep the old one.
+            except ValidationError as exc:
+                # `policy apply` validates first, so this is a foreign writer; keep the old
+                # one. The reason names fields, never their values (a match may be a key).
+                reason = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'policy'}: {e['msg']}"
+                    for e in exc.errors(include_url=False)[:5]
+                )
+                logger.error("ignoring invalid policy record %s: %s", policy_id, reason)
+                return
+            except PolicyError as exc:
                 logger.error("ignoring invalid policy record %s: %s", policy_id, exc)
                 return
             self.policies[policy_id] = policy

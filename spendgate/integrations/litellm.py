@@ -62,7 +62,7 @@ from spendgate.integrations.gateway import (
 from spendgate.schemas.decisions import Decision
 from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.exceptions import SpendgateError
-from spendgate.schemas.key_settings import SubjectSecretSettings
+from spendgate.schemas.key_settings import SubjectSecretSettings, announce
 
 __all__ = ["LiteLLMSettings", "SpendgateLogger", "SpendgateRefusal", "handler"]
 
@@ -261,6 +261,7 @@ class SpendgateLogger(CustomLogger):
             # The deployment's SPENDGATE_SUBJECT_SECRET(_FILE) and SPENDGATE_SECRET_FIELDS: the
             # proxy's keys leave it only as key ids, and the policies read are in that form.
             key_ids = SubjectSecretSettings().key_ids()
+            announce(key_ids, logger)
             self._client = AsyncAdmissionClient(
                 s.admission_url,
                 s.token.get_secret_value() if s.token else None,

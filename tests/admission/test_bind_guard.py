@@ -11,8 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from spendgate.admission.auth import check_exposure, is_loopback, load_tokens
+from spendgate.admission.settings import AdmissionSettings
+from spendgate.dashboard.settings import DashboardSettings
 from spendgate.schemas.exceptions import ConfigurationError
 
 #: Nothing listens here: the refusal must come before any connection is tried.
@@ -126,6 +129,25 @@ def test_allow_unauthenticated_serves_beyond_loopback() -> None:
             proc.wait()
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+@pytest.mark.parametrize(
+    "settings", [AdmissionSettings, DashboardSettings], ids=lambda s: s.__name__
+)
+@pytest.mark.parametrize(("raw", "means"), [("true", True), ("TRUE", True), ("false", False),
+                                            ("yes", None), ("1", None), ("on", None)])  # fmt: skip
+def test_the_switch_takes_only_true_or_false(
+    settings: type[AdmissionSettings | DashboardSettings],
+    raw: str,
+    means: bool | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPENDGATE_ALLOW_UNAUTHENTICATED", raw)
+    if means is None:  # a guess at a security switch is an error, not a yes
+        with pytest.raises(ValidationError, match="allow_unauthenticated"):
+            settings()
+    else:
+        assert settings().allow_unauthenticated is means
 
 
 class TestTokensFileMode:

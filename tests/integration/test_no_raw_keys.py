@@ -1,10 +1,10 @@
 """No raw API key at rest: after a workload with API keys, every Redis key and value and
 every record of every topic is scanned for the raw keys the test sent.
 
-The first test drives the real admission (as ``build_app`` wires it) and the real worker
-with admits, refusals, commits, releases, extends, alerts and a policy matching one key
-exactly; the second is the upgrade: records written raw by an older version (and a
-malformed one) rebuilt by ``spendgate replay`` under key ids.
+The first test drives the real admission (its app with the key ids of its settings) and
+the real worker with admits, refusals, commits, releases, extends, alerts and a policy
+matching one key exactly; the second is the upgrade: records written raw by an older
+version (and a malformed one), the prefix wiped, rebuilt by a worker under a new app id.
 """
 
 from __future__ import annotations

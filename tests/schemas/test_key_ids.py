@@ -130,6 +130,22 @@ def test_a_glob_on_a_secret_field_is_refused_without_repeating_it(pattern: str) 
     assert pattern not in message
 
 
+def test_a_key_id_of_another_secret_in_a_policy_is_refused() -> None:
+    other = KeyIds(b"another deployment's secret!!").of("sk-1")
+    with pytest.raises(PolicyError, match=r"match\.api_key: a key id made with another"):
+        KEYS.policy(policy(match={"api_key": other}))
+    own = KEYS.of("sk-1")
+    assert KEYS.policy(policy(match={"api_key": own})).match["api_key"] == own
+
+
+def test_a_lone_surrogate_has_a_key_id_and_its_record_is_redacted() -> None:
+    # JSON allows "\ud800"; the models refuse the record, its dead letter must not crash.
+    assert KEYS.of("\ud800") == expected_id(SECRET, "api_key", "\ud800")
+    raw = b'{"kind":"x","subject":{"api_key":"\\ud800sk-raw"}}'
+    hidden = KEYS.record(raw)
+    assert json.loads(hidden)["subject"]["api_key"] == KEYS.of("\ud800sk-raw")
+
+
 def test_record_bytes_for_a_dead_letter_hide_the_secret() -> None:
     keys = KeyIds(SECRET, ("api_key", "labels.card"))
     raw = json.dumps(
