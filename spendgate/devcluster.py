@@ -31,7 +31,9 @@ class ClusterSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    cluster_port: int = Field(7100, ge=1, le=65000)
+    #: The first node's port. Keep it and its cluster bus (port + 10000) below the
+    #: ephemeral range, where no client's own port can take a node's place.
+    cluster_port: int = Field(7100, ge=1, le=55000)
     cluster_masters: int = Field(3, ge=3, le=16)
     cluster_replicas: int = Field(1, ge=0, le=2)
     #: How long a master may be unreachable before its replica is promoted.

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,25 +18,21 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from spendgate.devcluster import ClusterSettings, LocalCluster
-from tests.fixtures.admission import free_port
+
+#: Below the ephemeral range (32768-60999), so no test's free port can land on a node or on
+#: its cluster bus (port + 10000), which the other nodes keep dialling while it is down.
+OWN_PORTS = 7300
 
 
 @pytest.fixture
-def own_cluster(tmp_path: Path) -> LocalCluster:
-    first = free_port()
-    while any(_taken(first + i) for i in range(6)):
-        first = free_port()
-    nodes = LocalCluster(ClusterSettings(cluster_port=first, stack_dir=tmp_path))
+def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    nodes = LocalCluster(ClusterSettings(cluster_port=OWN_PORTS, stack_dir=tmp_path))
+    for port in nodes.ports:
+        for p in (port, port + 10_000):
+            with socket.socket() as sock:
+                assert sock.connect_ex(("127.0.0.1", p)) != 0, f"port {p} is in use"
     yield nodes
     nodes.down()
-
-
-def _taken(port: int) -> bool:
-    try:
-        redis.Redis(port=port, socket_connect_timeout=0.2).ping()
-    except (redis.RedisError, OSError):
-        return False
-    return True
 
 
 def test_the_cluster_forms_serves_and_fails_over(own_cluster: LocalCluster) -> None:
