@@ -61,6 +61,12 @@ class Layout:
             return (self.prefix,)
         return tuple(self.shard(n) for n in range(VIRTUAL_SHARDS))
 
+    @property
+    def control(self) -> str:
+        """The prefix of the keys every process reads and no script reads with a budget
+        key: the policies, their version, the topology (shard 0 on a cluster)."""
+        return self.shard(0)
+
     def home_shard(self, tenant: str | None) -> int:
         """The shard of a tenant's bookkeeping (stored answers, reservation records)."""
         return shard_of(tenant or "")

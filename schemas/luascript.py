@@ -21,11 +21,24 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from typing import Any
 
-__all__ = ["LuaScript", "as_text", "compose", "load", "optional_arg", "optional_int", "text_of"]
+from redis.exceptions import NoScriptError
+
+__all__ = [
+    "LuaScript",
+    "as_text",
+    "compose",
+    "load",
+    "optional_arg",
+    "optional_int",
+    "run_script",
+    "text_of",
+]
 
 _INCLUDE = re.compile(r"^--! include (?P<package>[\w.]+):(?P<name>\w+)\s*$")
 
@@ -41,6 +54,18 @@ class LuaScript:
     def sha(self) -> str:
         """The SHA1 of the source, as ``SCRIPT LOAD`` returns it."""
         return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+async def run_script(
+    client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[bytes | str | int]
+) -> Any:
+    """Run ``script`` on ``client`` (a Redis or a Redis Cluster client, which routes the
+    call by its keys): by SHA, and by source when the node does not know it yet (a new
+    node, a promoted replica, a restarted server), which also caches it there."""
+    try:
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
 
 
 def optional_arg(value: int | None) -> int | str:

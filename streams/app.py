@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import faust
-import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
+from spendgate.schemas.redis_connect import async_client, layout_of
 from spendgate.streams import metrics
 from spendgate.streams.agents import declare_agents
 from spendgate.streams.commit import BatchCommit, Carried, Folded, Last, PartitionFold, drop_carried
@@ -149,11 +149,13 @@ class Worker:
             settings.kafka_bootstrap, settings.topic("policies"), policies, key_ids=self.key_ids
         )
         self.materializer = RedisMaterializer(
-            aioredis.Redis.from_url(settings.redis_url),
+            async_client(settings.redis_url, settings.redis_cluster),
             settings.redis_prefix,
             limit_of=lambda policy_id: (
                 p.limit if (p := self.book.policies.get(policy_id)) else None
             ),
+            layout=layout_of(settings.redis_prefix, settings.redis_cluster),
+            policy_of=self.book.policies.get,
         )
         self.keeper = RedisKeeper(app, settings, self.book, self.materializer, self.table, health)
         #: Keys whose table value is written but whose Redis write is still in flight:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
 from spendgate.schemas import window_codec, windows
+from spendgate.schemas.layout import Layout, shard_of
+from spendgate.schemas.luascript import run_script
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (
     mark_owners_key,
@@ -31,7 +33,7 @@ from spendgate.schemas.shards import Topology
 from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.marks import Claim
-from spendgate.streams.scripts import absorb, claim, heal, mark, sample
+from spendgate.streams.scripts import absorb, adopt, claim, heal, mark, sample
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 
 if TYPE_CHECKING:
@@ -45,25 +47,67 @@ RESTORE_KEYS_PER_TRIP = 500
 ABSORB_KEYS_PER_CALL = 64
 
 
+#: Calls one materializer keeps in flight on a cluster (redis-py's cluster client refuses
+#: more than its 100 connections per node).
+CLUSTER_CALLS_IN_FLIGHT = 32
+
+
+async def _bounded(*calls: Awaitable[Any]) -> list[Any]:
+    """Await ``calls`` concurrently, at most :data:`CLUSTER_CALLS_IN_FLIGHT` at once, and
+    return their results in order (the first failure raised)."""
+    gate = asyncio.Semaphore(CLUSTER_CALLS_IN_FLIGHT)
+
+    async def one(call: Awaitable[Any]) -> Any:
+        async with gate:
+            return await call
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))
+
+
 class RedisMaterializer:
-    """Applies each state change to Redis in one atomic step."""
+    """Applies each state change to Redis in one atomic step.
+
+    On a Redis Cluster (``layout.cluster``) each key's window goes to its virtual shard
+    (``schemas.layout``), each shard has its own utilization index, and the marks, their
+    owners and this worker's presence are kept on every shard's copy: a batch's windows
+    are written first, its marks only once every shard has them.
+    """
 
     def __init__(
         self,
         client: aioredis.Redis,
         prefix: str,
         limit_of: Callable[[str], int | None] | None = None,
+        *,
+        layout: Layout | None = None,
+        policy_of: Callable[[str], Policy | None] | None = None,
     ) -> None:
         """Args: limit_of: a policy id's limit in force (None: unknown policy); without
-        it, windows are written without a utilization score."""
+        it, windows are written without a utilization score. layout: where keys live
+        (default: one Redis under ``prefix``). policy_of: a policy id's policy in force,
+        which places its keys on a cluster (a key of an unknown policy: its own shard)."""
         self.client = client
         self.prefix = prefix
         self.limit_of = limit_of
+        self.layout = layout or Layout(prefix)
+        self.policy_of = policy_of
         self._absorb = client.register_script(absorb.SCRIPT.source)
         self._heal = client.register_script(heal.SCRIPT.source)
         self._mark = client.register_script(mark.SCRIPT.source)
-        self._claim = client.register_script(claim.SCRIPT.source)
-        self._sample = client.register_script(sample.SCRIPT.source)
+
+    def shard_of(self, key: str) -> str:
+        """The shard prefix budget key ``key``'s windows live under."""
+        layout = self.layout
+        if not layout.cluster:
+            return self.prefix
+        policy = self.policy_of(key.partition("|")[0]) if self.policy_of else None
+        return layout.of_key(policy, key) if policy is not None else layout.shard(shard_of(key))
+
+    def presence_on(self, shard: str, presence: str) -> str:
+        """``presence`` (this worker's key under the prefix) on one shard's copy."""
+        if not self.layout.cluster:
+            return presence
+        return shard + presence.removeprefix(self.prefix)
 
     async def write_batch(
         self,
@@ -85,30 +129,57 @@ class RedisMaterializer:
         """
         if not writes and not marks:
             return None
+        calls, overages = self._window_steps(writes)
+        if self.layout.cluster:
+            # One slot per script call: each shard's keys apart, the calls concurrent;
+            # every shard's windows before any copy of the marks.
+            await _bounded(
+                *(run_script(self.client, absorb.SCRIPT, a.keys(), a.argv()) for a in calls),
+                *(self.client.set(name, value, px=px) for name, value, px in overages),
+            )
+            return await self.write_marks(marks, presence) if marks else None
         async with self.client.pipeline(transaction=False) as pipe:
-            for first in range(0, len(writes), ABSORB_KEYS_PER_CALL):
-                parts = []
-                for w in writes[first : first + ABSORB_KEYS_PER_CALL]:
-                    window = w.window()
-                    score = self.score(w.key, w.state, w.spec) if window is not None else None
-                    parts.append(
-                        self._absorb_key(w.key, window, w.spec, w.absorbed, w.version, score)
-                    )
-                args = absorb.AbsorbArgs(parts)
+            for args in calls:
                 await self._absorb(keys=args.keys(), args=args.argv(), client=pipe)
-            for w in writes:
-                if w.overage is not None:
-                    # Read by admission for ``overage: cap_next`` policies (schemas.overage).
-                    name = overage_key(self.prefix, w.key)
-                    pipe.set(name, w.overage.encode(), px=w.spec.window_ms)
+            for name, value, px in overages:
+                pipe.set(name, value, px=px)
             if marks:
-                margs = self._mark_args(marks, presence)
+                margs = self._mark_args(self.prefix, marks, presence)
                 await self._mark(keys=margs.keys(), args=margs.argv(), client=pipe)
             replies = await pipe.execute()
         return MarkReply.decode(replies[-1]) if marks else None
 
+    def _window_steps(
+        self, writes: Sequence[KeyWrite]
+    ) -> tuple[list[absorb.AbsorbArgs], list[tuple[str, str, int]]]:
+        """The ABSORB calls of ``writes`` (per shard, :data:`ABSORB_KEYS_PER_CALL` keys
+        each), and their overage marks as (name, value, expiry ms)."""
+        calls: list[absorb.AbsorbArgs] = []
+        overages: list[tuple[str, str, int]] = []
+        by_shard: dict[str, list[KeyWrite]] = {}
+        for w in writes:
+            by_shard.setdefault(self.shard_of(w.key), []).append(w)
+        for shard, group in by_shard.items():
+            for first in range(0, len(group), ABSORB_KEYS_PER_CALL):
+                parts = []
+                for w in group[first : first + ABSORB_KEYS_PER_CALL]:
+                    window = w.window()
+                    score = self.score(w.key, w.state, w.spec) if window is not None else None
+                    parts.append(
+                        self._absorb_key(shard, w.key, window, w.spec, w.absorbed, w.version, score)
+                    )
+                calls.append(absorb.AbsorbArgs(parts))
+            for w in group:
+                if w.overage is not None:
+                    # Read by admission for ``overage: cap_next`` policies (schemas.overage).
+                    overages.append(
+                        (overage_key(shard, w.key), w.overage.encode(), w.spec.window_ms)
+                    )
+        return calls, overages
+
     def _absorb_key(
         self,
+        shard: str,
         key: str,
         window: bytes | None,
         spec: WindowSpec,
@@ -117,13 +188,13 @@ class RedisMaterializer:
         score: float | None,
     ) -> absorb.AbsorbKey:
         return absorb.AbsorbKey(
-            window_key=window_key(self.prefix, key),
-            pending_window_key=pending_window_key(self.prefix, key),
-            pending_total_key=pending_total_key(self.prefix, key),
-            pending_queue_key=pending_queue_key(self.prefix, key),
-            pending_reservations_key=pending_reservations_key(self.prefix, key),
-            version_key=window_version_key(self.prefix, key),
-            utilization_key=utilization_key(self.prefix),
+            window_key=window_key(shard, key),
+            pending_window_key=pending_window_key(shard, key),
+            pending_total_key=pending_total_key(shard, key),
+            pending_queue_key=pending_queue_key(shard, key),
+            pending_reservations_key=pending_reservations_key(shard, key),
+            version_key=window_version_key(shard, key),
+            utilization_key=utilization_key(shard),
             window=window,
             window_ms=spec.window_ms,
             version=version,
@@ -156,21 +227,31 @@ class RedisMaterializer:
         due = [i for i, (_, state) in enumerate(states) if state.bucket_ms and state.window_ms]
         if not due:
             return healed
-        async with self.client.pipeline(transaction=False) as pipe:
-            for i in due:
-                key, state = states[i]
-                spec = WindowSpec(state.window_ms, state.bucket_ms)
-                args = heal.HealArgs(
-                    window_key=window_key(self.prefix, key),
-                    version_key=window_version_key(self.prefix, key),
-                    utilization_key=utilization_key(self.prefix),
+        calls = []
+        for i in due:
+            key, state = states[i]
+            spec = WindowSpec(state.window_ms, state.bucket_ms)
+            shard = self.shard_of(key)
+            calls.append(
+                heal.HealArgs(
+                    window_key=window_key(shard, key),
+                    version_key=window_version_key(shard, key),
+                    utilization_key=utilization_key(shard),
                     window=window_codec.encode(state.buckets, state.bucket_ms),
                     window_ms=state.window_ms,
                     version=state.version,
                     score=self.score(key, state, spec),
                 )
-                await self._heal(keys=args.keys(), args=args.argv(), client=pipe)
-            replies = await pipe.execute()
+            )
+        if self.layout.cluster:
+            replies = await _bounded(
+                *(run_script(self.client, heal.SCRIPT, a.keys(), a.argv()) for a in calls)
+            )
+        else:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for args in calls:
+                    await self._heal(keys=args.keys(), args=args.argv(), client=pipe)
+                replies = await pipe.execute()
         for i, reply in zip(due, replies, strict=True):
             healed[i] = heal.HealReply.decode(reply).rewritten
         return healed
@@ -201,9 +282,13 @@ class RedisMaterializer:
             The pending amount moved out.
         """
         args = absorb.AbsorbArgs(
-            [self._absorb_key(key, window, spec, reservation_ids, version, score)]
+            [
+                self._absorb_key(
+                    self.shard_of(key), key, window, spec, reservation_ids, version, score
+                )
+            ]
         )
-        reply = await self._absorb(keys=args.keys(), args=args.argv())
+        reply = await run_script(self.client, absorb.SCRIPT, args.keys(), args.argv())
         return absorb.AbsorbReply.decode(reply).moved
 
     async def restore(
@@ -233,15 +318,17 @@ class RedisMaterializer:
     async def write_policies(
         self, policies: Iterable[Policy], topology: Topology | None = None
     ) -> None:
-        """Replace the policies hash with ``policies``, and the topology when given."""
-        pkey = policies_key(self.prefix)
+        """Replace the policies hash with ``policies``, and the topology when given (one
+        transaction, on the layout's control shard)."""
+        control = self.layout.control
+        pkey = policies_key(control)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(pkey)
             for policy in policies:
                 pipe.hset(pkey, policy.id, policy.model_dump_json())
             if topology is not None:
-                pipe.set(topology_key(self.prefix), topology.encode())
-            pipe.incr(policies_version_key(self.prefix))
+                pipe.set(topology_key(control), topology.encode())
+            pipe.incr(policies_version_key(control))
             await pipe.execute()
 
     async def write_marks(self, marks: Sequence[MarkWrite], presence: str) -> MarkReply:
@@ -253,16 +340,32 @@ class RedisMaterializer:
         """
         if not marks:
             return MarkReply(True, 0, 0)
-        args = self._mark_args(marks, presence)
-        return MarkReply.decode(await self._mark(keys=args.keys(), args=args.argv()))
+        # Every copy: present only if every shard still has this worker's presence; a
+        # field counts as written once any copy took it, as fenced once any copy refused.
+        calls = [
+            self._mark_args(shard, marks, self.presence_on(shard, presence))
+            for shard in self.layout.shards()
+        ]
+        replies = [
+            MarkReply.decode(r)
+            for r in await _bounded(
+                *(run_script(self.client, mark.SCRIPT, a.keys(), a.argv()) for a in calls)
+            )
+        ]
+        if len(replies) == 1:
+            return replies[0]
+        return MarkReply(
+            all(r.present for r in replies),
+            max(r.written for r in replies),
+            max(r.fenced for r in replies),
+        )
 
-    def _mark_args(self, marks: Sequence[MarkWrite], presence: str) -> mark.MarkArgs:
-        p = self.prefix
+    def _mark_args(self, shard: str, marks: Sequence[MarkWrite], presence: str) -> mark.MarkArgs:
         return mark.MarkArgs(
-            marks_key=marks_key(p),
-            owners_key=mark_owners_key(p),
-            progress_key=mark_progress_key(p),
-            positions_key=mark_positions_key(p),
+            marks_key=marks_key(shard),
+            owners_key=mark_owners_key(shard),
+            progress_key=mark_progress_key(shard),
+            positions_key=mark_positions_key(shard),
             presence_key=presence,
             writes=tuple(marks),
         )
@@ -270,27 +373,42 @@ class RedisMaterializer:
     async def claim(self, fields: Sequence[str], presence: str) -> dict[str, Claim]:
         """Claim ``fields`` for this worker (CLAIM, :mod:`~spendgate.streams.scripts.claim`):
         a fencing token each, and the mark Redis holds now; sets ``presence``."""
+        shards = self.layout.shards()
         if not fields:
-            await self.client.set(presence, b"1")
+            for shard in shards:
+                await self.client.set(self.presence_on(shard, presence), b"1")
             return {}
-        p = self.prefix
+        first = shards[0]
         args = claim.ClaimArgs(
-            owners_key=mark_owners_key(p),
-            marks_key=marks_key(p),
-            positions_key=mark_positions_key(p),
-            presence_key=presence,
+            owners_key=mark_owners_key(first),
+            marks_key=marks_key(first),
+            positions_key=mark_positions_key(first),
+            presence_key=self.presence_on(first, presence),
             fields=tuple(fields),
         )
-        reply = claim.ClaimReply.decode(await self._claim(keys=args.keys(), args=args.argv()))
-        return dict(zip(fields, reply.claims, strict=True))
+        raw = await run_script(self.client, claim.SCRIPT, args.keys(), args.argv())
+        claims = dict(zip(fields, claim.ClaimReply.decode(raw).claims, strict=True))
+        if len(shards) > 1:
+            # The other copies fence the last owner from now on too (ADOPT).
+            tokens = {f: c.token for f, c in claims.items()}
+            adopts = [
+                adopt.AdoptArgs(mark_owners_key(s), self.presence_on(s, presence), tokens)
+                for s in shards[1:]
+            ]
+            await _bounded(
+                *(run_script(self.client, adopt.SCRIPT, a.keys(), a.argv()) for a in adopts)
+            )
+        return claims
 
     async def sample(self, usage_fields: Sequence[str]) -> tuple[int, list[int | None]]:
         """The Redis clock (ms) and the usage marks at that instant (SAMPLE,
         :mod:`~spendgate.streams.scripts.sample`)."""
         if not usage_fields:
             return await self.now_ms(), []
-        args = sample.SampleArgs(marks_key(self.prefix), tuple(usage_fields))
-        reply = sample.SampleReply.decode(await self._sample(keys=args.keys(), args=args.argv()))
+        # On a cluster, the first shard's copy: every copy is written with the same marks.
+        args = sample.SampleArgs(marks_key(self.layout.shards()[0]), tuple(usage_fields))
+        raw = await run_script(self.client, sample.SCRIPT, args.keys(), args.argv())
+        reply = sample.SampleReply.decode(raw)
         return reply.now_ms, list(reply.marks)
 
     async def now_ms(self) -> int:
@@ -304,4 +422,5 @@ class RedisMaterializer:
         benchmarks that write windows straight into Redis)."""
         await self.write_policies(policies, topology)
         marks = dict.fromkeys(topology.all_marks(), until_ms)
-        await self.client.hset(marks_key(self.prefix), mapping=marks)  # type: ignore[arg-type]
+        for shard in self.layout.shards():
+            await self.client.hset(marks_key(shard), mapping=marks)  # type: ignore[arg-type]

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from spendgate.schemas import window_codec
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
+from spendgate.schemas.redis_connect import async_client, layout_of
 from spendgate.schemas.redis_keys import window_key
 from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.dedupe import IdStore
@@ -176,11 +176,13 @@ async def replay(
     rebuilt, summary = Rebuilt(), ReplaySummary()
     policies = await _read(settings, since, rebuilt, summary, progress)
     summary.keys = len(rebuilt.states)
-    client = aioredis.Redis.from_url(settings.redis_url)
+    client = async_client(settings.redis_url, settings.redis_cluster)
     materializer = RedisMaterializer(
         client,
         settings.redis_prefix,
         limit_of=lambda policy_id: p.limit if (p := policies.get(policy_id)) else None,
+        layout=layout_of(settings.redis_prefix, settings.redis_cluster),
+        policy_of=policies.get,
     )
     try:
         keys = sorted(rebuilt.states)
@@ -189,7 +191,11 @@ async def replay(
             if not verify:
                 await materializer.write_batch([rebuilt.write(key) for key in chunk])
                 continue
-            lives = await client.mget([window_key(settings.redis_prefix, k) for k in chunk])
+            names = [window_key(materializer.shard_of(k), k) for k in chunk]
+            if settings.redis_cluster:  # grouped by slot, one pipeline per node
+                lives = await client.mget_nonatomic(names)  # type: ignore[attr-defined]
+            else:
+                lives = await client.mget(names)
             for key, live in zip(chunk, lives, strict=True):
                 have = window_codec.read(live if isinstance(live, bytes) else None, None)
                 if have != rebuilt.states[key].buckets:

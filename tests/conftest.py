@@ -31,6 +31,7 @@ pytest_plugins = [
     "tests.fixtures.embedded_lua",
     "tests.fixtures.dashboard",
     "tests.fixtures.litellm_stack",
+    "tests.fixtures.cluster",
 ]
 
 # The suite writes its tokens and secret files as an operator must (admission refuses a

@@ -19,6 +19,8 @@ from redis.exceptions import RedisClusterException
 
 from spendgate.devcluster import ClusterSettings, LocalCluster
 
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
 #: Below the ephemeral range (32768-60999), so no test's free port can land on a node or on
 #: its cluster bus (port + 10000), which the other nodes keep dialling while it is down.
 OWN_PORTS = 7300

@@ -57,6 +57,7 @@ def test_the_scripts_are_all_here() -> None:
         "streams/scripts/absorb.lua",
         "streams/scripts/heal.lua",
         "streams/scripts/claim.lua",
+        "streams/scripts/adopt.lua",
         "streams/scripts/sample.lua",
         "streams/scripts/mark.lua",
     }
