@@ -52,18 +52,6 @@ ABSORB_KEYS_PER_CALL = 64
 CLUSTER_CALLS_IN_FLIGHT = 32
 
 
-async def _bounded(*calls: Awaitable[Any]) -> list[Any]:
-    """Await ``calls`` concurrently, at most :data:`CLUSTER_CALLS_IN_FLIGHT` at once, and
-    return their results in order (the first failure raised)."""
-    gate = asyncio.Semaphore(CLUSTER_CALLS_IN_FLIGHT)
-
-    async def one(call: Awaitable[Any]) -> Any:
-        async with gate:
-            return await call
-
-    return list(await asyncio.gather(*(one(c) for c in calls)))
-
-
 class RedisMaterializer:
     """Applies each state change to Redis in one atomic step.
 
@@ -91,9 +79,26 @@ class RedisMaterializer:
         self.limit_of = limit_of
         self.layout = layout or Layout(prefix)
         self.policy_of = policy_of
+        self._initialized = False
         self._absorb = client.register_script(absorb.SCRIPT.source)
         self._heal = client.register_script(heal.SCRIPT.source)
         self._mark = client.register_script(mark.SCRIPT.source)
+
+    async def _concurrently(self, *calls: Awaitable[Any]) -> list[Any]:
+        """Await ``calls`` (on a cluster) concurrently, at most
+        :data:`CLUSTER_CALLS_IN_FLIGHT` at once; their results in order, the first failure
+        raised. The cluster client learns the slots first: calls racing a client's first
+        use of the cluster break its connections (redis-py)."""
+        if not self._initialized:
+            await self.client.initialize()
+            self._initialized = True
+        gate = asyncio.Semaphore(CLUSTER_CALLS_IN_FLIGHT)
+
+        async def one(call: Awaitable[Any]) -> Any:
+            async with gate:
+                return await call
+
+        return list(await asyncio.gather(*(one(c) for c in calls)))
 
     def shard_of(self, key: str) -> str:
         """The shard prefix budget key ``key``'s windows live under."""
@@ -133,7 +138,7 @@ class RedisMaterializer:
         if self.layout.cluster:
             # One slot per script call: each shard's keys apart, the calls concurrent;
             # every shard's windows before any copy of the marks.
-            await _bounded(
+            await self._concurrently(
                 *(run_script(self.client, absorb.SCRIPT, a.keys(), a.argv()) for a in calls),
                 *(self.client.set(name, value, px=px) for name, value, px in overages),
             )
@@ -244,7 +249,7 @@ class RedisMaterializer:
                 )
             )
         if self.layout.cluster:
-            replies = await _bounded(
+            replies = await self._concurrently(
                 *(run_script(self.client, heal.SCRIPT, a.keys(), a.argv()) for a in calls)
             )
         else:
@@ -348,7 +353,7 @@ class RedisMaterializer:
         ]
         replies = [
             MarkReply.decode(r)
-            for r in await _bounded(
+            for r in await self._concurrently(
                 *(run_script(self.client, mark.SCRIPT, a.keys(), a.argv()) for a in calls)
             )
         ]
@@ -395,7 +400,7 @@ class RedisMaterializer:
                 adopt.AdoptArgs(mark_owners_key(s), self.presence_on(s, presence), tokens)
                 for s in shards[1:]
             ]
-            await _bounded(
+            await self._concurrently(
                 *(run_script(self.client, adopt.SCRIPT, a.keys(), a.argv()) for a in adopts)
             )
         return claims
