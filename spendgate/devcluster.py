@@ -10,9 +10,7 @@ processes whose pid this module recorded are ever signalled.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from spendgate.devstack import StackSettings, alive, port_open, redis_binary
+from spendgate.devstack import StackSettings, alive, port_open, redis_binary, stop_pid
 from spendgate.schemas.exceptions import ConfigurationError
 
 
@@ -242,14 +240,7 @@ class LocalCluster:
             pid = self.pid(port)
             if pid is None:
                 continue
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            while alive(pid) and time.monotonic() < deadline:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-                time.sleep(0.1)
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+            stop_pid(pid, 20)
             self._pidfile(port).unlink(missing_ok=True)
             stopped.append(port)
         for child in self._children.values():

@@ -82,6 +82,18 @@ def alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
 
 
+def stop_pid(pid: int, grace_s: float) -> None:
+    """SIGTERM ``pid``, reap it while it exits, and SIGKILL it after ``grace_s``."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive(pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.1)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
 def redis_binary() -> str:
     """The ``redis-server`` on PATH; as root on Debian, installed with apt first when missing."""
     found = shutil.which("redis-server")
@@ -401,14 +413,7 @@ class LocalStack:
             pid = self.pid(name)
             if pid is None:
                 continue
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while alive(pid) and time.monotonic() < deadline:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-                time.sleep(0.2)
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+            stop_pid(pid, 30)
             self._pidfile(name).unlink(missing_ok=True)
             stopped.append(name)
         return stopped
