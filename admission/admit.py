@@ -235,7 +235,7 @@ class AdmitService:
         if not charges:
             return body, plans
         try:
-            marks = await self.store.overage_marks([c.target.key for c in charges])
+            marks = await self.store.overage_marks(charges)
         except StoreUnavailable:
             return body, plans
         now_ms = int(time.time() * 1000)
@@ -398,7 +398,7 @@ class AdmitService:
         if isinstance(previous, Answer):
             DECISIONS.labels(decision=previous.decision).inc()
             return previous
-        rid = uuid.uuid4().hex
+        rid = self.store.new_reservation_id(body.subject.tenant, uuid.uuid4().hex)
         now_ms = int(time.time() * 1000)
         outcome = fallback_answer(
             self.ledger, charges, body.subject.model, now_ms, rid, DEFAULT_TTL_MS

@@ -108,3 +108,12 @@ DELAYS = Counter(
     "request id already waiting).",
     ["result"],
 )
+CROSS_SHARD = Counter(
+    "spendgate_admission_cross_shard_total",
+    "Admits whose budget keys span Redis Cluster shards (decided piece by piece)",
+)
+PIECES_SWEPT = Counter(
+    "spendgate_admission_pieces_swept_total",
+    "Pieces of cross-shard reservations found past their deadline by a sweeper",
+    ["result"],
+)

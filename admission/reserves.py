@@ -8,10 +8,20 @@ from datetime import UTC, datetime, timedelta
 from spendgate.schemas.events import ReserveEvent, Subject, Usage
 from spendgate.schemas.redis_values import ReservationRecord
 
-__all__ = ["DEFAULT_TTL_MS", "reserve_event", "reserve_event_from_record"]
+__all__ = [
+    "DEFAULT_TTL_MS",
+    "IDEMPOTENCY_TTL_MS",
+    "RECORD_GRACE_MS",
+    "reserve_event",
+    "reserve_event_from_record",
+]
 
 #: A reservation held by no policy with a TTL expires after this (15 min).
 DEFAULT_TTL_MS = 900_000
+#: How long a request id is remembered for idempotent repeats (>= any reservation TTL).
+IDEMPOTENCY_TTL_MS = 24 * 3_600_000
+#: A reservation record outlives its longest TTL by this, so a late commit still finds it.
+RECORD_GRACE_MS = 3_600_000
 
 
 def reserve_event(

@@ -231,7 +231,7 @@ async def status(request: Request, who: Caller) -> StackStatus:
         raise Forbidden("the stack's status covers every tenant: it needs an operator or '*' token")
     store = state_of(request).store
     return await store._call(
-        "status", lambda: read_status(store.client, store.prefix, store.staleness_ms)
+        "status", lambda: read_status(store.client, store.layout.control, store.staleness_ms)
     )
 
 

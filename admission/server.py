@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -26,6 +27,7 @@ from spendgate.admission.store import BudgetStore
 from spendgate.admission.sweeper import ReserveSweeper
 from spendgate.schemas.key_settings import announce
 from spendgate.schemas.prices import load_catalog
+from spendgate.schemas.redis_connect import layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,15 @@ def redis_client(settings: AdmissionSettings) -> aioredis.Redis:
     The failure modes decide what happens when Redis is gone; redis-py's default retries
     would only multiply the time a caller waits for that answer.
     """
+    if settings.redis_cluster:
+        # One pool per node, each capped; the store's backpressure bounds the calls.
+        return RedisCluster.from_url(  # type: ignore[return-value]
+            settings.redis_url,
+            max_connections=settings.redis_connections,
+            socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_connections,
@@ -65,6 +76,8 @@ def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetS
         settings.redis_down_s,
         backpressure=backpressure,
         staleness_ms=int(settings.staleness_s * 1000),
+        layout=layout_of(settings.redis_prefix, settings.redis_cluster),
+        piece_grace_ms=int(settings.reserve_grace_s * 1000),
     )
 
 
@@ -85,6 +98,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         publisher,
         grace_s=settings.reserve_grace_s,
         interval_s=settings.reserve_sweep_s,
+        layout=store.layout,
     )
     publisher.on_acked = sweeper.acked
     refusals = KafkaRefusals(

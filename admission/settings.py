@@ -18,6 +18,10 @@ class AdmissionSettings(SubjectSecretSettings):
 
     kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster: keys are laid out by
+    #: virtual shard (``schemas.layout``), a request spanning shards is admitted piece by
+    #: piece (``admission.pieces``). The worker's setting must be the same.
+    redis_cluster: Switch = False
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
     #: YAML/JSON price catalog for ``cost_usd`` policies (none: only events carrying
@@ -55,7 +59,9 @@ class AdmissionSettings(SubjectSecretSettings):
     #: is logged (count per kind, event ids) and counted in a metric.
     shutdown_publish_s: float = Field(10.0, ge=0)
     #: A reserve event not acknowledged by Kafka this long after its admission (its
-    #: process died, or Kafka is down) is republished from Redis by any admission process.
+    #: process died, or Kafka is down) is republished from Redis by any admission process;
+    #: on a cluster, also the deadline of a cross-shard request's pieces (unsealed past it,
+    #: a sweeper releases them).
     reserve_grace_s: float = Field(30.0, gt=0)
     #: How often each admission process looks for such reserves.
     reserve_sweep_s: float = Field(5.0, gt=0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from spendgate.schemas.redis_keys import (
     mark_owners_key,
@@ -34,13 +35,21 @@ __all__ = [
 ]
 
 
+def _queue_keys(prefix: str) -> list[Any]:
+    """The reads after the clock, each a function of a pipeline."""
+    return [
+        lambda pipe: pipe.get(topology_key(prefix)),
+        lambda pipe: pipe.hgetall(marks_key(prefix)),
+        lambda pipe: pipe.hgetall(mark_progress_key(prefix)),
+        lambda pipe: pipe.hgetall(mark_owners_key(prefix)),
+        lambda pipe: pipe.hlen(policies_key(prefix)),
+    ]
+
+
 def _queue(pipe: Any, prefix: str) -> None:
     pipe.time()
-    pipe.get(topology_key(prefix))
-    pipe.hgetall(marks_key(prefix))
-    pipe.hgetall(mark_progress_key(prefix))
-    pipe.hgetall(mark_owners_key(prefix))
-    pipe.hlen(policies_key(prefix))
+    for queued in _queue_keys(prefix):
+        queued(pipe)
 
 
 def _text_keys(raw: dict[Any, Any]) -> dict[str, bytes | str]:
@@ -69,10 +78,26 @@ async def read_status(client: aioredis.Redis, prefix: str, staleness_ms: int) ->
     Raises:
         redis.RedisError: Redis does not answer (the caller decides what that means).
     """
+    if isinstance(client, RedisCluster):
+        return await _read_cluster(client, prefix, staleness_ms)
     async with client.pipeline(transaction=True) as pipe:
         _queue(pipe, prefix)
         replies = await pipe.execute()
     return _decode(replies, staleness_ms)
+
+
+async def _read_cluster(client: RedisCluster, prefix: str, staleness_ms: int) -> StackStatus:
+    """On a cluster, ``prefix`` is the control shard's (its copy of every mark): the clock
+    of the node holding it, then its keys in one pipeline (no transaction spans a node's
+    clock and its keys there; the marks may be a moment newer than the clock, never older
+    than what an admit there saw)."""
+    node = client.get_node_from_key(marks_key(prefix))
+    clock = await client.time(target_nodes=node)  # type: ignore[call-arg]
+    pipe = client.pipeline()
+    for queued in _queue_keys(prefix):
+        queued(pipe)
+    replies = await pipe.execute()
+    return _decode([clock, *replies], staleness_ms)
 
 
 def read_status_sync(client: redis.Redis, prefix: str, staleness_ms: int) -> StackStatus:

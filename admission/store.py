@@ -22,8 +22,10 @@ from spendgate.admission.decide import (
     Plan,
     PolicyTerms,
 )
-from spendgate.admission.exceptions import Overloaded, StoreUnavailable
+from spendgate.admission.exceptions import Overloaded, StoreUnavailable, Unprocessable
 from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
+from spendgate.admission.pieces import admit_across
+from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
 from spendgate.admission.scripts import admit as admit_script
 from spendgate.admission.scripts import extend as extend_script
 from spendgate.admission.scripts import settle as settle_script
@@ -33,6 +35,8 @@ from spendgate.admission.scripts.extend import ExtendArgs, ExtendResult, ExtendT
 from spendgate.admission.scripts.settle import SettleArgs, SettleResult
 from spendgate.schemas import window_codec
 from spendgate.schemas.events import Subject, Usage, partition_key
+from spendgate.schemas.layout import Layout
+from spendgate.schemas.luascript import LuaScript, run_script
 from spendgate.schemas.overage import OverageMark
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (
@@ -67,10 +71,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: How long a request id is remembered for idempotent repeats (>= any reservation TTL).
-IDEMPOTENCY_TTL_MS = 24 * 3_600_000
-#: A reservation record outlives its longest TTL by this, so a late commit still finds it.
-RECORD_GRACE_MS = 3_600_000
 
 #: A mark field no worker writes: without a topology every window counts as missing.
 _NO_TOPOLOGY = "topology-unknown"
@@ -98,9 +98,15 @@ class BudgetStore:
         down_s: float = 0.5,
         backpressure: Backpressure | None = None,
         staleness_ms: int = 30_000,
+        layout: Layout | None = None,
+        piece_grace_ms: int = 30_000,
     ) -> None:
         self.client = client
         self.prefix = prefix
+        #: Where each key lives: one Redis, or a cluster's virtual shards.
+        self.layout = layout or Layout(prefix)
+        #: A piece of a request spanning shards unsealed this long is swept (released).
+        self.piece_grace_ms = piece_grace_ms
         self.refresh_s = refresh_s
         self.down_s = down_s
         self.staleness_ms = staleness_ms
@@ -118,6 +124,8 @@ class BudgetStore:
         self._tenant_marks: dict[str, tuple[str, ...]] = {}
         self._key_marks: dict[str, tuple[str, ...]] = {}
         self._marks_of: Topology | None = None
+        #: The virtual shard of each budget key seen (on a cluster).
+        self._shards: dict[str, int] = {}
         self._checked = 0.0
         self._down_until = 0.0
         self._refreshing = asyncio.Lock()
@@ -171,7 +179,7 @@ class BudgetStore:
             return self._policies
         try:
             version = await self._call(
-                "policy version", lambda: self.client.get(policies_version_key(self.prefix))
+                "policy version", lambda: self.client.get(policies_version_key(self.layout.control))
             )
             # Policies seen before and now gone: Redis lost its data (flush, restart). The
             # last policies stay, so the failure modes apply: the admit script finds the
@@ -179,12 +187,12 @@ class BudgetStore:
             lost = version is None and self._version is not None
             if not lost and (version != self._version or self._policies is None):
                 raw = await self._call(
-                    "policies", lambda: self.client.hgetall(policies_key(self.prefix))
+                    "policies", lambda: self.client.hgetall(policies_key(self.layout.control))
                 )
                 self._policies = [Policy.model_validate_json(v) for v in raw.values()]
                 self._version = version
                 topology = await self._call(
-                    "topology", lambda: self.client.get(topology_key(self.prefix))
+                    "topology", lambda: self.client.get(topology_key(self.layout.control))
                 )
                 if topology is not None:
                     self.topology = Topology.decode(topology)
@@ -212,11 +220,15 @@ class BudgetStore:
         """Decide over every plan's keys and reserve on all of one plan's keys, or none.
 
         A reservation made keeps what its ``reserve`` event is rebuilt from and is listed
-        as unpublished until the broker acks that event (``admission.sweeper``).
+        as unpublished until the broker acks that event (``admission.sweeper``). On a
+        cluster a request whose keys all live on its home shard is this one script call
+        there; one whose keys span shards is admitted piece by piece
+        (``admission.pieces``).
 
         Args:
             request_id: the caller's idempotency key.
-            reservation_id: the id a reservation made now gets.
+            reservation_id: the unique part of the id a reservation made now gets (on a
+                cluster the id also names the home shard: :meth:`new_reservation_id`).
             plans: the request as sent, then its downgrade plans.
             estimate_output_tokens: the estimate's output tokens (what ``cap`` lowers).
             read_only: evaluate plan 0 only; reserve and store nothing.
@@ -229,13 +241,80 @@ class BudgetStore:
                 script timed out after it was sent (``loop_lag``): then its reservation may
                 stand, and a retry with the same request id returns it.
         """
+        usage = estimate if estimate is not None else Usage(output_tokens=estimate_output_tokens)
         prefix = self.prefix
+        layout = self.layout
+        if layout.cluster:
+            home = layout.home_shard(plans[0].subject.tenant)
+            reservation_id = layout.reservation_id(home, reservation_id)
+            if any(self.shard_of(c) != home for plan in plans for c in plan.charges):
+                return await admit_across(
+                    self, request_id, reservation_id, plans, usage, read_only=read_only
+                )
+            prefix = layout.shard(home)
         call = AdmitCall(
             request_key(prefix, plans[0].subject.tenant, request_id),
             reservation_key(prefix, reservation_id),
             unpublished_reserves_key(prefix),
             marks_key(prefix),
         )
+        record_ttl_ms, marks = self.add_plans(call, prefix, plans)
+        header = AdmitHeader(
+            read_only=read_only,
+            reservation_id=reservation_id,
+            idempotency_ttl_ms=IDEMPOTENCY_TTL_MS,
+            record_ttl_ms=record_ttl_ms,
+            estimate_output_tokens=estimate_output_tokens,
+            estimate_json=usage.model_dump_json(exclude_defaults=True),
+            plans=len(plans),
+            staleness_ms=self.staleness_ms,
+            marks=marks,
+        )
+        keys, args = call.finish(header)
+        raw = await self._call("admit", lambda: self.run_admit(keys, args))
+        return AdmitResult.decode(raw)
+
+    def new_reservation_id(self, tenant: str | None, unique: str) -> str:
+        """The id of a reservation made for ``tenant`` (on a cluster it names the
+        tenant's home shard, so commit, release and extend find its record)."""
+        layout = self.layout
+        return layout.reservation_id(layout.home_shard(tenant), unique)
+
+    def shard_of(self, charge: Charge) -> int:
+        """The virtual shard of a charge's budget key (``schemas.layout``), remembered."""
+        key = charge.target.key
+        found = self._shards.get(key)
+        if found is None:
+            if len(self._shards) >= _DEPS_MEMORY:
+                self._shards.clear()
+            found = self._shards[key] = self.layout.key_shard(charge.target.policy, key)
+        return found
+
+    async def run_admit(self, keys: Sequence[str], args: Sequence[bytes | str | int]) -> Any:
+        """One ADMIT call (no backpressure of its own: callers wrap it in ``_call``)."""
+        if self.layout.cluster:
+            return await run_script(self.client, admit_script.SCRIPT, keys, args)
+        source = admit_script.SCRIPT.source
+        return await resp.evalsha(self.client, self._admit_sha, source, keys, args)
+
+    async def run(
+        self, what: str, script: LuaScript, keys: Sequence[str], args: Sequence[bytes | str | int]
+    ) -> Any:
+        """One call of ``script``, routed by its keys on a cluster, with backpressure."""
+        return await self._call(what, lambda: run_script(self.client, script, keys, args))
+
+    def add_plans(
+        self, call: AdmitCall, prefix: str, plans: Sequence[Plan], *, alternatives: bool = True
+    ) -> tuple[int, tuple[str, ...]]:
+        """Add every plan's targets to ``call``, their keys under ``prefix``.
+
+        Args:
+            alternatives: False: a key of a downgrade or route policy refuses as a
+                ``reject`` key does (a piece never tries another plan itself).
+
+        Returns:
+            The record's TTL (ms) and the mark fields the targets depend on.
+        """
         record_ttl_ms = RECORD_GRACE_MS
         marks: dict[str, int] = {}
         for plan in plans:
@@ -253,31 +332,14 @@ class BudgetStore:
                     burst_key(prefix, key) if terms.burst is not None else None,
                     terms.template.argv(
                         charge.amount,
-                        charge.alt + 1 if charge.alt else 0,
+                        charge.alt + 1 if charge.alt and alternatives else 0,
                         cap.s,
                         cap.r,
                         cap.d,
                         self._deps(marks, terms, key, subject),
                     ),
                 )
-        usage = estimate if estimate is not None else Usage(output_tokens=estimate_output_tokens)
-        header = AdmitHeader(
-            read_only=read_only,
-            reservation_id=reservation_id,
-            idempotency_ttl_ms=IDEMPOTENCY_TTL_MS,
-            record_ttl_ms=record_ttl_ms,
-            estimate_output_tokens=estimate_output_tokens,
-            estimate_json=usage.model_dump_json(exclude_defaults=True),
-            plans=len(plans),
-            staleness_ms=self.staleness_ms,
-            marks=tuple(marks),
-        )
-        keys, args = call.finish(header)
-        source = admit_script.SCRIPT.source
-        raw = await self._call(
-            "admit", lambda: resp.evalsha(self.client, self._admit_sha, source, keys, args)
-        )
-        return AdmitResult.decode(raw)
+        return record_ttl_ms, tuple(marks)
 
     def _deps(self, marks: dict[str, int], terms: PolicyTerms, key: str, subject: Subject) -> str:
         """The ``deps`` entry of ``key``: the 1-based indexes into ``marks`` (grown as
@@ -320,9 +382,20 @@ class BudgetStore:
             StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated.
         """
-        key = reservation_key(self.prefix, reservation_id)
+        home = self._home_of(reservation_id)
+        if home is None:
+            return None
+        key = reservation_key(home, reservation_id)
         raw = await self._call("reservation", lambda: self.client.hget(key, SUBJECT_FIELD))
         return None if raw is None else Subject.model_validate_json(raw)
+
+    def _home_of(self, reservation_id: str) -> str | None:
+        """The shard prefix of a reservation's record; None for an id that names no shard
+        of this cluster (never made here: no such reservation)."""
+        try:
+            return self.layout.of_reservation(reservation_id)
+        except ValueError:
+            return None
 
     async def settle(self, reservation_id: str, kind: Settled) -> SettleResult:
         """Mark a reservation committed or released, once.
@@ -331,8 +404,16 @@ class BudgetStore:
             StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated.
         """
-        call = SettleArgs(reservation_key(self.prefix, reservation_id), kind)
-        raw = await self._call("settle", lambda: self._settle(keys=call.keys(), args=call.argv()))
+        home = self._home_of(reservation_id)
+        if home is None:
+            return SettleResult("missing", None)
+        call = SettleArgs(reservation_key(home, reservation_id), kind)
+        if self.layout.cluster:
+            raw = await self.run("settle", settle_script.SCRIPT, call.keys(), call.argv())
+        else:
+            raw = await self._call(
+                "settle", lambda: self._settle(keys=call.keys(), args=call.argv())
+            )
         return SettleResult.decode(raw)
 
     async def extend(
@@ -350,8 +431,21 @@ class BudgetStore:
         Raises:
             StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated.
+            Unprocessable: on a cluster, a reservation whose budget keys span shards
+                (extending one is not supported yet: it is reported, never half done).
         """
-        prefix = self.prefix
+        prefix = self._home_of(reservation_id)
+        if prefix is None:
+            return ExtendResult(False, "missing", 0, ())
+        if self.layout.cluster:
+            home = self.layout.home_shard(subject.tenant)
+            if any(self.shard_of(c) != home for c in charges):
+                raise Unprocessable(
+                    f"reservation {reservation_id!r} holds budgets on more than one Redis "
+                    "Cluster shard (a budget not grouped by tenant); extend does not span "
+                    "shards yet: reserve the whole estimate at admit instead",
+                    "reservation_id",
+                )
         marks: dict[str, int] = {}
         targets = []
         for charge in charges:
@@ -381,11 +475,20 @@ class BudgetStore:
             marks=tuple(marks),
             targets=tuple(targets),
         )
-        raw = await self._call("extend", lambda: self._extend(keys=call.keys(), args=call.argv()))
+        if self.layout.cluster:
+            raw = await self.run("extend", extend_script.SCRIPT, call.keys(), call.argv())
+        else:
+            raw = await self._call(
+                "extend", lambda: self._extend(keys=call.keys(), args=call.argv())
+            )
         return ExtendResult.decode(raw)
 
-    async def buckets(self, keys: Sequence[tuple[str, int]]) -> list[dict[int, int]]:
-        """Each (budget key, bucket width)'s absorbed window plus its pending reservations,
+    def _prefix_of(self, charge: Charge) -> str:
+        """The shard prefix of a charge's budget key (the prefix without a cluster)."""
+        return self.layout.shard(self.shard_of(charge)) if self.layout.cluster else self.prefix
+
+    async def buckets(self, charges: Sequence[Charge]) -> list[dict[int, int]]:
+        """Each charge's budget key: its absorbed window plus its pending reservations,
         bucket by bucket (what the admit script counts), in one pipeline.
 
         Raises:
@@ -395,27 +498,34 @@ class BudgetStore:
 
         async def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            for key, _ in keys:
-                pipe.get(window_key(self.prefix, key))
-                pipe.hgetall(pending_window_key(self.prefix, key))
-                pipe.hgetall(pending_total_key(self.prefix, key))
+            for charge in charges:
+                key, prefix = charge.target.key, self._prefix_of(charge)
+                pipe.get(window_key(prefix, key))
+                pipe.hgetall(pending_window_key(prefix, key))
+                pipe.hgetall(pending_total_key(prefix, key))
             return list(await pipe.execute())
 
         raw = await self._call("windows", read)
         return [
-            window_codec.read_held(raw[3 * i], bucket_ms, raw[3 * i + 1], raw[3 * i + 2])
-            for i, (_, bucket_ms) in enumerate(keys)
+            window_codec.read_held(
+                raw[3 * i], c.target.policy.bucket_ms, raw[3 * i + 1], raw[3 * i + 2]
+            )
+            for i, c in enumerate(charges)
         ]
 
-    async def overage_marks(self, keys: Sequence[str]) -> list[OverageMark | None]:
-        """The last overage of each budget key (``schemas.overage``), None where none.
+    async def overage_marks(self, charges: Sequence[Charge]) -> list[OverageMark | None]:
+        """The last overage of each charge's budget key (``schemas.overage``), None where
+        none.
 
         Raises:
             StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated.
         """
-        names = [overage_key(self.prefix, k) for k in keys]
-        raw = await self._call("overage", lambda: self.client.mget(names))
+        names = [overage_key(self._prefix_of(c), c.target.key) for c in charges]
+        if self.layout.cluster:
+            raw = await self._call("overage", lambda: self.client.mget_nonatomic(names))
+        else:
+            raw = await self._call("overage", lambda: self.client.mget(names))
         return [OverageMark.decode(v) for v in raw]
 
     async def ping(self) -> bool:

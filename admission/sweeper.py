@@ -13,25 +13,50 @@ admission process:
   twice is harmless: the worker drops a producer duplicate (same tenant and event id)
   within its dedupe horizon, and a reserve arriving after its own commit or release
   charges nothing and only clears its pending entry.
+
+On a Redis Cluster each virtual shard has its own unpublished reserves, swept in turn,
+and its own provisional set of pieces (``admission.pieces``): a piece past its deadline
+is resolved against its reservation's home shard, where the tombstone is set first
+(``SET NX``) and the record looked for after; a record found means the reservation was
+sealed (the piece only leaves the list), none means it never will be (the tombstone
+refuses its seal), and the piece is released. Either order of seal and sweep gives
+exactly one of the two, whatever the clocks say, so a sweep too early can only abort a
+slow request, never double-count or lose one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import time
 from collections import deque
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from spendgate.admission.metrics import RESERVES_REPUBLISHED, RESERVES_UNRECOVERABLE
+from spendgate.admission.metrics import (
+    PIECES_SWEPT,
+    RESERVES_REPUBLISHED,
+    RESERVES_UNRECOVERABLE,
+)
+from spendgate.admission.pieces import release_args
 from spendgate.admission.publisher import UsagePublisher
-from spendgate.admission.reserves import reserve_event_from_record
+from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, reserve_event_from_record
 from spendgate.admission.scripts import claim_unpublished
 from spendgate.admission.scripts.claim_unpublished import ClaimArgs, ClaimReply
 from spendgate.schemas.events import ReserveEvent, UsageEvent
-from spendgate.schemas.redis_keys import reservation_key, unpublished_reserves_key
+from spendgate.schemas.layout import Layout
+from spendgate.schemas.luascript import run_script
+from spendgate.schemas.redis_keys import (
+    piece_key,
+    provisional_key,
+    reservation_key,
+    tombstone_key,
+    unpublished_reserves_key,
+)
+from spendgate.streams.scripts import absorb
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +76,8 @@ _REDIS_ERRORS = (RedisError, OSError)
 
 
 class ReserveSweeper:
-    """Keeps the unpublished reserves of one Redis prefix in step with the broker's acks.
+    """Keeps the unpublished reserves of one Redis prefix (each of its shards, on a
+    cluster) in step with the broker's acks, and releases abandoned pieces.
 
     Open with ``async with`` (the app's lifespan): a task removes acked reserves, another
     sweeps every ``interval_s``. :meth:`acked` is the publisher's ack listener.
@@ -66,6 +92,7 @@ class ReserveSweeper:
         grace_s: float = 30.0,
         interval_s: float = 5.0,
         batch: int = SWEEP_BATCH,
+        layout: Layout | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -73,8 +100,7 @@ class ReserveSweeper:
         self.grace_s = grace_s
         self.interval_s = interval_s
         self.batch = batch
-        self._claim = client.register_script(claim_unpublished.SCRIPT.source)
-        self._key = unpublished_reserves_key(prefix)
+        self.layout = layout or Layout(prefix)
         self._acked: deque[str] = deque(maxlen=ACKED_BACKLOG)
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -98,12 +124,25 @@ class ReserveSweeper:
         while self._acked:
             chunk = [self._acked.popleft() for _ in range(min(ZREM_CHUNK, len(self._acked)))]
             try:
-                await self.client.zrem(self._key, *chunk)
+                for prefix, ids in self._by_shard(chunk).items():
+                    await self.client.zrem(unpublished_reserves_key(prefix), *ids)
             except BaseException:
                 self._acked.extendleft(reversed(chunk))
                 raise
             sent += len(chunk)
         return sent
+
+    def _by_shard(self, reservation_ids: list[str]) -> dict[str, list[str]]:
+        """The ids grouped by the shard prefix of their record (ids naming no shard of
+        this cluster were never listed here: dropped)."""
+        out: dict[str, list[str]] = {}
+        for rid in reservation_ids:
+            try:
+                prefix = self.layout.of_reservation(rid)
+            except ValueError:
+                continue
+            out.setdefault(prefix, []).append(rid)
+        return out
 
     async def sweep(self) -> int:
         """Republish every reserve unacknowledged for longer than the grace period.
@@ -116,21 +155,10 @@ class ReserveSweeper:
             RedisError: Redis did not answer.
         """
         republished = 0
-        cutoff: int | None = None
-        while True:
-            batch = self._room()
-            if batch == 0:
-                break
-            call = ClaimArgs(self._key, int(self.grace_s * 1000), batch, cutoff)
-            reply = ClaimReply.decode(await self._claim(keys=call.keys(), args=call.argv()))
-            cutoff, claimed = reply.cutoff, list(reply.claimed)
-            if not claimed:
-                break
-            acked, published = await self._republish(claimed)
+        for prefix in self.layout.shards():
+            acked, full = await self._sweep_shard(prefix)
             republished += acked
-            # A batch not fully acked (Kafka down or slow): the rest waits for the next
-            # sweep rather than piling into the publisher's buffer.
-            if len(claimed) < batch or acked < published:
+            if not full:
                 break
         if republished:
             logger.info(
@@ -139,6 +167,76 @@ class ReserveSweeper:
                 self.grace_s,
             )
         return republished
+
+    async def _sweep_shard(self, prefix: str) -> tuple[int, bool]:
+        """Republish one shard's overdue reserves; returns (acked, whether every batch
+        claimed was acked: False stops the sweep until the next one)."""
+        key = unpublished_reserves_key(prefix)
+        republished = 0
+        cutoff: int | None = None
+        while True:
+            batch = self._room()
+            if batch == 0:
+                return republished, False
+            call = ClaimArgs(key, int(self.grace_s * 1000), batch, cutoff)
+            raw = await run_script(self.client, claim_unpublished.SCRIPT, call.keys(), call.argv())
+            reply = ClaimReply.decode(raw)
+            cutoff, claimed = reply.cutoff, list(reply.claimed)
+            if not claimed:
+                return republished, True
+            acked, published = await self._republish(prefix, claimed)
+            republished += acked
+            # A batch not fully acked (Kafka down or slow): the rest waits for the next
+            # sweep rather than piling into the publisher's buffer.
+            if acked < published:
+                return republished, False
+            if len(claimed) < batch:
+                return republished, True
+
+    async def sweep_pieces(self, now_ms: int | None = None) -> int:
+        """Resolve every piece past its deadline on every shard (a cluster only): sealed
+        ones leave the provisional set, the others are aborted and released.
+
+        Returns:
+            How many pieces were resolved.
+
+        Raises:
+            RedisError: Redis did not answer.
+        """
+        if not self.layout.cluster:
+            return 0
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        resolved = 0
+        for prefix in self.layout.shards():
+            overdue = await self.client.zrangebyscore(
+                provisional_key(prefix), "-inf", now, start=0, num=self.batch
+            )
+            for raw in overdue:
+                rid = raw.decode() if isinstance(raw, bytes) else str(raw)
+                await self._resolve_piece(prefix, rid)
+                resolved += 1
+        return resolved
+
+    async def _resolve_piece(self, prefix: str, rid: str) -> None:
+        """Seal or abort one overdue piece (see the module's doc), then unlist it."""
+        client = self.client
+        try:
+            home = self.layout.of_reservation(rid)
+        except ValueError:
+            home = None
+        sealed = False
+        if home is not None:
+            await client.set(tombstone_key(home, rid), "1", nx=True, px=IDEMPOTENCY_TTL_MS)
+            sealed = bool(await client.exists(reservation_key(home, rid)))
+        if not sealed:
+            held = await client.get(piece_key(prefix, rid))
+            if held is not None:
+                args = release_args(prefix, json.loads(held), rid)
+                await run_script(client, absorb.SCRIPT, args.keys(), args.argv())
+            logger.warning("released piece %s on %s: never sealed before its deadline", rid, prefix)
+        PIECES_SWEPT.labels(result="sealed" if sealed else "released").inc()
+        await client.zrem(provisional_key(prefix), rid)
+        await client.delete(piece_key(prefix, rid))
 
     def _room(self) -> int:
         """How many reserves one claim may take: at most half of the publisher's free
@@ -149,11 +247,11 @@ class ReserveSweeper:
         free = capacity - int(getattr(self.publisher, "depth", 0))
         return max(0, min(self.batch, free // 2))
 
-    async def _republish(self, claimed: list[str]) -> tuple[int, int]:
-        """Publish the claimed reserves; returns (acked, published)."""
+    async def _republish(self, prefix: str, claimed: list[str]) -> tuple[int, int]:
+        """Publish the claimed reserves of one shard; returns (acked, published)."""
         pipe = self.client.pipeline(transaction=False)
         for rid in claimed:
-            pipe.hgetall(reservation_key(self.prefix, rid))
+            pipe.hgetall(reservation_key(prefix, rid))
         records = await pipe.execute()
         events: list[ReserveEvent] = []
         gone: list[str] = []
@@ -171,7 +269,7 @@ class ReserveSweeper:
                 len(gone),
                 " ".join(gone),
             )
-            await self.client.zrem(self._key, *gone)
+            await self.client.zrem(unpublished_reserves_key(prefix), *gone)
         # Concurrent: the publisher shares its produce batches among them.
         acked = await asyncio.gather(*(self.publisher.publish_acked(e) for e in events))
         count = sum(acked)
@@ -194,6 +292,7 @@ class ReserveSweeper:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sweep()
+                await self.sweep_pieces()
             except _REDIS_ERRORS as exc:
                 logger.warning("sweeping unpublished reserves failed (%s); retrying", exc)
 

@@ -141,6 +141,26 @@ def unpublished_reserves_key(prefix: str) -> str:
     return f"{prefix}unpub"
 
 
+def provisional_key(prefix: str) -> str:
+    """Sorted set of one shard's pieces of reservations that span shards
+    (``admission.shards``): member = reservation id, score = its deadline (ms, Redis
+    clock). A piece leaves once its reservation is sealed or released; one still listed
+    past its deadline is resolved by a sweeper against its home shard."""
+    return f"{prefix}prov"
+
+
+def piece_key(prefix: str, reservation_id: str) -> str:
+    """What one shard's piece of a reservation holds (JSON list of its budget keys),
+    for its release; written by the admit script beside the piece's holds."""
+    return f"{prefix}piece:{reservation_id}"
+
+
+def tombstone_key(prefix: str, reservation_id: str) -> str:
+    """Set on a reservation's home shard by a sweeper before it releases a piece left past
+    its deadline: the reservation can no longer be sealed (``admission.scripts.seal``)."""
+    return f"{prefix}tomb:{reservation_id}"
+
+
 def marks_key(prefix: str) -> str:
     """Hash of the applied marks, one field per worker partition (``schemas.shards``):
     value = the applied watermark W in ms (every record of the partition with a log-append

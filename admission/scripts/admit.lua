@@ -38,9 +38,12 @@
 -- binary search over the window's periods when the total can only fall.
 --
 -- KEYS (4, then 5 or 6 per target of each plan, in plan order)
---   answer        the stored answer of this request id (schemas/redis_values.py)
---   record        the reservation record (schemas/redis_values.py: ReservationRecord)
---   unpublished   the unpublished reserves (sorted set: reservation id -> admission ms)
+--   answer        the stored answer of this request id (schemas/redis_values.py; a
+--                 piece: unused)
+--   record        the reservation record (schemas/redis_values.py: ReservationRecord;
+--                 a piece: its piece record)
+--   unpublished   the unpublished reserves (sorted set: reservation id -> admission ms;
+--                 a piece: the provisional set, reservation id -> deadline ms)
 --   marks         the applied marks (hash: mark field -> watermark ms, by the worker)
 --   per target:
 --   window        the absorbed window (string, schemas/window_codec.py), by the worker
@@ -53,12 +56,18 @@
 --   bucket        only for a target with a burst: its token bucket ("level:at_ms",
 --                 schemas/burst.py; missing = full)
 -- ARGV (9 + m header entries, then per plan 2 + 15 per target)
---   read_only       1: evaluate plan 1, reserve and store nothing, ignore the answer key
+--   mode            0 decide; 1 read-only: evaluate plan 1, reserve and store nothing,
+--                   ignore the answer key; 2 piece: one shard's part of a request whose
+--                   keys span shards (admission.shards): decide and hold as 0 does, but
+--                   store no answer and no reserve of its own; a hold is listed instead
+--                   in the provisional set (KEYS[3]) scored by its deadline, and KEYS[2]
+--                   keeps the piece record (what its release needs)
 --   reservation     the id a reservation made now gets
---   answer_ttl      ms the stored answer lives
---   record_ttl      ms the reservation record lives
+--   answer_ttl      ms the stored answer lives (a piece: ms until its deadline)
+--   record_ttl      ms the reservation record lives (a piece: its piece record)
 --   estimate_out    the estimate's output tokens (what cap lowers)
---   estimate        the estimate as sent (JSON, kept in the record)
+--   estimate        the estimate as sent (JSON, kept in the record; a piece: the piece
+--                   record's text)
 --   plans           the number of plans
 --   staleness       ms: a mark older than this (Redis clock) is stale
 --   m, then m mark fields the targets' deps refer to
@@ -84,7 +93,8 @@
 --! include spendgate.admission.scripts:key_steps
 
 local read_only = ARGV[1] == '1'
-if not read_only then
+local piece = ARGV[1] == '2'
+if not read_only and not piece then
   local stored = redis.call('GET', KEYS[1])
   if stored then return answer_decode(stored) end
 end
@@ -325,10 +335,15 @@ if outcome ~= 0 and outcome ~= 5 and not read_only then
   for j = 1, plan.n do
     if plan.targets[j].ttl > ttl then ttl = plan.targets[j].ttl end
   end
-  local at = string.format('%d', now)
-  record_write(KEYS[2], plan.subject, chosen, ARGV[6], at, max_out, ttl, tonumber(ARGV[4]))
-  redis.call('ZADD', KEYS[3], at, rid)
-  redis.call('SET', KEYS[1], answer_encode(answer), 'PX', tonumber(ARGV[3]))
+  if piece then
+    redis.call('SET', KEYS[2], ARGV[6], 'PX', tonumber(ARGV[4]))
+    redis.call('ZADD', KEYS[3], string.format('%d', now + tonumber(ARGV[3])), rid)
+  else
+    local at = string.format('%d', now)
+    record_write(KEYS[2], plan.subject, chosen, ARGV[6], at, max_out, ttl, tonumber(ARGV[4]))
+    redis.call('ZADD', KEYS[3], at, rid)
+    redis.call('SET', KEYS[1], answer_encode(answer), 'PX', tonumber(ARGV[3]))
+  end
 end
 local out = {0}
 for i = 1, #answer do out[#out + 1] = answer[i] end

@@ -52,6 +52,10 @@ class AdmitHeader:
         staleness_ms: a mark older than this (Redis clock) is stale.
         marks: the mark fields (``schemas.shards``) the targets' ``deps`` refer to; they
             follow this header in ARGV, before the first plan.
+        piece: one shard's part of a request whose keys span shards
+            (``admission.shards``): decided and held as a request is, nothing stored but
+            the piece record (``record_ttl_ms``, ``estimate_json`` its text) and its
+            provisional entry (deadline: now + ``idempotency_ttl_ms``).
     """
 
     read_only: bool
@@ -63,11 +67,12 @@ class AdmitHeader:
     plans: int
     staleness_ms: int
     marks: tuple[str, ...]
+    piece: bool = False
 
     def argv(self) -> list[ArgValue]:
         """The entries, encoded as the script reads them."""
         return [
-            int(self.read_only),
+            2 if self.piece else int(self.read_only),
             self.reservation_id,
             self.idempotency_ttl_ms,
             self.record_ttl_ms,
@@ -322,3 +327,35 @@ class AdmitResult:
             max_output_tokens=max_out if max_out >= 0 else None,
             keys=states,
         )
+
+    def answer_values(self) -> list[int | str]:
+        """The values ADMIT stores as this answer (its reply without ``replayed``):
+        :meth:`decode` of ``[1, *values]`` gives this result back, replayed."""
+        code = {name: c for c, name in OUTCOMES.items()}[self.outcome]
+        if self.never_fits:
+            retry = NEVER_FITS
+        else:
+            retry = -1 if self.retry_after_ms is None else self.retry_after_ms
+        out = -1 if self.max_output_tokens is None else self.max_output_tokens
+        values: list[int | str] = [
+            code,
+            self.now_ms,
+            retry,
+            self.reservation_id,
+            self.plan + 1,
+            out,
+            len(self.keys),
+        ]
+        bursts: list[int] = []
+        for i, key in enumerate(self.keys):
+            values += (
+                key.used,
+                key.reserved,
+                key.own,
+                int(key.violated),
+                key.reset_after_ms,
+                STATES.index(key.state),
+            )
+            if key.burst is not None:
+                bursts += (i + 1, *key.burst)
+        return [*values, len(bursts) // 3, *bursts]

@@ -1,0 +1,399 @@
+"""Admission of a request whose budget keys span Redis Cluster shards, piece by piece.
+
+A request's keys usually share its tenant's home shard (``schemas.layout``), and then it is
+one ADMIT call there. A budget not grouped by tenant (a global model or pool budget) lives
+on its own key's shard, so a request matching it spans shards: no script can see all of
+its keys at once. The protocol keeps the invariant "never over any limit":
+
+* **Pieces in one order.** The plan's keys are grouped by shard and the shards visited in
+  ascending order. Each piece is ADMIT in piece mode over that shard's keys: decided and
+  held atomically with that shard's marks, listed in the shard's provisional set with a
+  deadline (now + ``BudgetStore.piece_grace_ms``) and a piece record naming its keys.
+* **A later refusal releases the earlier pieces** (their pending entries removed, as the
+  worker's ABSORB removes an absorbed reservation's), then the refusal is answered. Until
+  the release, a concurrent request may be refused spuriously; none is ever admitted over.
+  The shards after the refusing one are only evaluated (read-only), so the answer lists
+  every budget.
+* **The commit point** is SEAL on the home shard, written last: the reservation record,
+  the stored answer (the merged one) and the unpublished reserve in one step, refused when
+  a tombstone exists. A retry of the request id reads the home shard's stored answer
+  first; one that raced this request gets that answer back and releases its own pieces.
+* **A crash between shards** leaves pieces unsealed: each shard's sweeper
+  (``admission.sweeper``) takes the pieces past their deadline, writes the tombstone on
+  the home shard unless the record is there (sealed: the piece only leaves the list), and
+  then releases them, within the deadline plus a sweep interval.
+
+The actions across shards: ``reject``, ``observe`` and ``delay`` (which repeats admits)
+need nothing more. ``cap``: each piece is decided with the output the earlier pieces left
+(it can only lower it); a piece holds its amount at the output it was decided at, never
+less than the final one, so a cap lowered later over-holds on earlier shards until the
+worker absorbs the reserve (never under). ``downgrade`` and ``route``: plan by plan; the
+asked plan's pieces decide with their alternatives off, and when every refusal came from
+keys offering one, the alternatives are tried in order as whole plans of their own, each
+released before the next. ``burst``: a bucket lives beside its window, in its piece; the
+tokens a released piece took are not given back (the bucket refills at its rate), so a
+release can only refuse more, never admit more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spendgate.admission.exceptions import StoreUnavailable
+from spendgate.admission.metrics import CROSS_SHARD
+from spendgate.admission.plans import Charge, Plan, PolicyTerms
+from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
+from spendgate.admission.scripts import seal as seal_script
+from spendgate.admission.scripts.admit import AdmitCall, AdmitHeader, AdmitResult, KeyState
+from spendgate.admission.scripts.codes import ON_EXCEED
+from spendgate.admission.scripts.seal import SealArgs, SealReply
+from spendgate.schemas.events import Usage
+from spendgate.schemas.redis_keys import (
+    held_keys,
+    marks_key,
+    piece_key,
+    provisional_key,
+    request_key,
+    reservation_key,
+    tombstone_key,
+    unpublished_reserves_key,
+    utilization_key,
+    window_version_key,
+)
+from spendgate.schemas.redis_values import ReservationRecord, decode_answer, encode_answer
+from spendgate.streams.scripts import absorb
+from spendgate.streams.scripts.absorb import AbsorbArgs, AbsorbKey
+
+if TYPE_CHECKING:
+    from spendgate.admission.store import BudgetStore
+
+__all__ = ["Piece", "admit_across", "merge", "release_args", "split"]
+
+logger = logging.getLogger(__name__)
+
+#: ADMIT's code of "try the alternative" (downgrade, route).
+_ALTERNATIVE = ON_EXCEED["downgrade"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One shard's part of a plan: its charges and where each sits in the plan."""
+
+    shard: int
+    charges: tuple[Charge, ...]
+    positions: tuple[int, ...]
+
+
+def split(store: BudgetStore, plan: Plan) -> list[Piece]:
+    """The plan's charges grouped by virtual shard, in ascending shard order."""
+    groups: dict[int, list[int]] = {}
+    for i, charge in enumerate(plan.charges):
+        groups.setdefault(store.shard_of(charge), []).append(i)
+    return [
+        Piece(shard, tuple(plan.charges[i] for i in positions), tuple(positions))
+        for shard, positions in sorted(groups.items())
+    ]
+
+
+def merge(
+    plan: Plan, plan_index: int, reservation_id: str, decided: Sequence[tuple[Piece, AdmitResult]]
+) -> AdmitResult:
+    """One answer from every piece's: the strictest outcome (unvouched, reject, cap,
+    observe_reject, allow), the longest wait among the pieces that gave it, the lowest
+    cap, each key's state in plan order (nothing own when nothing stays reserved)."""
+    outcomes = {r.outcome for _, r in decided}
+    outcome = next(
+        o for o in ("unvouched", "reject", "cap", "observe_reject", "allow") if o in outcomes
+    )
+    if outcome == "cap" and "observe_reject" in outcomes:
+        waits = [r for _, r in decided if r.outcome == "observe_reject"]
+    else:
+        waits = [r for _, r in decided if r.outcome == outcome]
+    never = any(r.never_fits for r in waits)
+    retries = [r.retry_after_ms for r in waits if r.retry_after_ms is not None]
+    caps = [r.max_output_tokens for _, r in decided if r.max_output_tokens is not None]
+    keys: list[KeyState | None] = [None] * len(plan.charges)
+    for piece, result in decided:
+        for position, state in zip(piece.positions, result.keys, strict=True):
+            keys[position] = state
+    held = outcome not in ("reject", "unvouched")
+    states = tuple(k if held or k is None else dataclasses.replace(k, own=0) for k in keys)
+    if any(k is None for k in states):
+        raise ValueError("merge: a key of the plan has no piece")
+    return AdmitResult(
+        replayed=False,
+        outcome=outcome,  # type: ignore[arg-type]
+        now_ms=max(r.now_ms for _, r in decided),
+        retry_after_ms=None if never or not retries else max(retries),
+        never_fits=never,
+        reservation_id=reservation_id,
+        plan=plan_index,
+        max_output_tokens=min(caps) if outcome == "cap" and caps else None,
+        keys=states,  # type: ignore[arg-type]
+    )
+
+
+def release_args(prefix: str, budget_keys: Sequence[str], reservation_id: str) -> AbsorbArgs:
+    """ABSORB over a piece's keys with no window to write: the reservation's pending
+    entries leave them (idempotent: an entry already gone moves nothing)."""
+    parts = []
+    for key in budget_keys:
+        window, pending, total, queue, entries = held_keys(prefix, key)
+        parts.append(
+            AbsorbKey(
+                window_key=window,
+                pending_window_key=pending,
+                pending_total_key=total,
+                pending_queue_key=queue,
+                pending_reservations_key=entries,
+                version_key=window_version_key(prefix, key),
+                utilization_key=utilization_key(prefix),
+                window=None,
+                # Only the PX of a window written: none is.
+                window_ms=1,
+                reservation_ids=(reservation_id,),
+            )
+        )
+    return AbsorbArgs(parts)
+
+
+async def release_piece(
+    store: BudgetStore, shard_prefix: str, budget_keys: Sequence[str], reservation_id: str
+) -> None:
+    """Release one piece: its pending entries, then its provisional entry and record."""
+    args = release_args(shard_prefix, budget_keys, reservation_id)
+    await store.run("release piece", absorb.SCRIPT, args.keys(), args.argv())
+    client = store.client
+    await store._call(
+        "release piece",
+        lambda: client.zrem(provisional_key(shard_prefix), reservation_id),
+    )
+    await store._call(
+        "release piece", lambda: client.delete(piece_key(shard_prefix, reservation_id))
+    )
+
+
+async def _release_all(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> None:
+    """Release every piece held, concurrently; a failure is left to the sweepers."""
+    layout = store.layout
+
+    async def one(piece: Piece) -> None:
+        keys = [c.target.key for c in piece.charges]
+        try:
+            await release_piece(store, layout.shard(piece.shard), keys, reservation_id)
+        except StoreUnavailable as exc:
+            # Listed as provisional still: the shard's sweeper releases it past its deadline.
+            logger.warning(
+                "release of piece %s on shard %d deferred: %s", reservation_id, piece.shard, exc
+            )
+
+    await asyncio.gather(*(one(p) for p in pieces))
+
+
+async def _unlist(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> None:
+    """After a seal: the other shards' provisional entries and piece records go (their
+    holds stay until the worker absorbs the reserve); a failure is left to the sweepers."""
+    layout, client = store.layout, store.client
+
+    async def one(piece: Piece) -> None:
+        prefix = layout.shard(piece.shard)
+        with contextlib.suppress(StoreUnavailable):
+            await store._call(
+                "unlist piece", lambda: client.zrem(provisional_key(prefix), reservation_id)
+            )
+            await store._call(
+                "unlist piece", lambda: client.delete(piece_key(prefix, reservation_id))
+            )
+
+    await asyncio.gather(*(one(p) for p in pieces))
+
+
+async def _decide_piece(
+    store: BudgetStore,
+    piece: Piece,
+    plan: Plan,
+    request_id: str,
+    reservation_id: str,
+    output_tokens: int,
+    *,
+    hold: bool,
+) -> AdmitResult:
+    """ADMIT on one shard over the piece's keys: in piece mode (``hold``) or read-only."""
+    prefix = store.layout.shard(piece.shard)
+    call = AdmitCall(
+        request_key(prefix, plan.subject.tenant, request_id),
+        piece_key(prefix, reservation_id),
+        provisional_key(prefix),
+        marks_key(prefix),
+    )
+    part = Plan(plan.subject, piece.charges, plan.kind)
+    record_ttl_ms, marks = store.add_plans(call, prefix, [part], alternatives=False)
+    header = AdmitHeader(
+        read_only=not hold,
+        reservation_id=reservation_id,
+        idempotency_ttl_ms=store.piece_grace_ms,
+        record_ttl_ms=record_ttl_ms,
+        estimate_output_tokens=output_tokens,
+        estimate_json=json.dumps([c.target.key for c in piece.charges]),
+        plans=1,
+        staleness_ms=store.staleness_ms,
+        marks=marks,
+        piece=hold,
+    )
+    keys, args = call.finish(header)
+    raw = await store._call("admit piece", lambda: store.run_admit(keys, args))
+    return AdmitResult.decode(raw)
+
+
+async def _attempt(
+    store: BudgetStore,
+    plan: Plan,
+    plan_index: int,
+    request_id: str,
+    reservation_id: str,
+    output_tokens: int,
+    *,
+    read_only: bool,
+) -> tuple[AdmitResult, list[Piece]]:
+    """Decide one plan piece by piece; returns the merged answer and the pieces still
+    held (all of them when it admits; none after a refusal, which released them)."""
+    held: list[Piece] = []
+    decided: list[tuple[Piece, AdmitResult]] = []
+    out = output_tokens
+    refused = read_only
+    try:
+        for piece in split(store, plan):
+            result = await _decide_piece(
+                store, piece, plan, request_id, reservation_id, out, hold=not refused
+            )
+            decided.append((piece, result))
+            if refused:
+                continue
+            if result.outcome in ("reject", "unvouched"):
+                refused = True
+                continue
+            held.append(piece)
+            if result.max_output_tokens is not None:
+                out = min(out, result.max_output_tokens)
+    except BaseException:
+        await _release_all(store, reservation_id, held)
+        raise
+    merged = merge(plan, plan_index, reservation_id, decided)
+    if merged.outcome in ("reject", "unvouched") and held:
+        await _release_all(store, reservation_id, held)
+        held = []
+    return merged, held
+
+
+def _alternatives(plan: Plan, result: AdmitResult) -> list[int]:
+    """The plans to try after ``plan`` refused (as the admit script orders them): the
+    alternatives of its refusing keys, in key order, when every refusing enforce key
+    offers one or caps; none when any refuses outright."""
+    out: list[int] = []
+    for charge, key in zip(plan.charges, result.keys, strict=True):
+        policy = charge.target.policy
+        if not key.violated or policy.mode == "observe":  # observe keys never refuse
+            continue
+        on_exceed = ON_EXCEED[policy.on_exceed]
+        if on_exceed == _ALTERNATIVE and charge.alt:
+            if charge.alt not in out:
+                out.append(charge.alt)
+        elif on_exceed != ON_EXCEED["cap"]:
+            return []
+    return out
+
+
+def _replayed(raw: bytes | str) -> AdmitResult:
+    return AdmitResult.decode(["1", *decode_answer(raw)])
+
+
+async def admit_across(
+    store: BudgetStore,
+    request_id: str,
+    reservation_id: str,
+    plans: Sequence[Plan],
+    estimate: Usage,
+    *,
+    read_only: bool = False,
+) -> AdmitResult:
+    """``BudgetStore.admit`` for a request whose keys span shards (this module's
+    protocol); ``reservation_id`` already names the home shard.
+
+    Raises:
+        StoreUnavailable: a shard did not answer, or the request outlived its pieces'
+            deadline (a sweeper aborted it): nothing stays reserved.
+        Overloaded: this process is saturated (nothing stays reserved).
+    """
+    layout = store.layout
+    tenant = plans[0].subject.tenant
+    home = layout.shard(layout.home_shard(tenant))
+    output_tokens = estimate.output_tokens
+    if read_only:
+        result, _ = await _attempt(
+            store, plans[0], 0, request_id, reservation_id, output_tokens, read_only=True
+        )
+        return result
+    answer_key = request_key(home, tenant, request_id)
+    stored = await store._call("answer", lambda: store.client.get(answer_key))
+    if stored is not None:
+        return _replayed(stored)
+    CROSS_SHARD.inc()
+    result, held = await _attempt(
+        store, plans[0], 0, request_id, reservation_id, output_tokens, read_only=False
+    )
+    plan_index = 0
+    if result.outcome == "reject":
+        for alt in _alternatives(plans[0], result):
+            if alt >= len(plans):
+                continue
+            tried, tried_held = await _attempt(
+                store, plans[alt], alt, request_id, reservation_id, output_tokens, read_only=False
+            )
+            if tried.outcome != "reject":
+                result, held, plan_index = tried, tried_held, alt
+                break
+    if result.outcome in ("reject", "unvouched"):
+        return result
+    plan = plans[plan_index]
+    terms = [c.terms or PolicyTerms.of(c.target.policy) for c in plan.charges]
+    ttl_ms = max((t.reservation_ttl_ms for t in terms), default=0)
+    call = SealArgs(
+        answer_key=answer_key,
+        record_key=reservation_key(home, reservation_id),
+        unpublished_key=unpublished_reserves_key(home),
+        tombstone_key=tombstone_key(home, reservation_id),
+        provisional_key=provisional_key(home),
+        reservation_id=reservation_id,
+        answer=encode_answer(result.answer_values()),
+        answer_ttl_ms=IDEMPOTENCY_TTL_MS,
+        record=ReservationRecord(
+            subject_json=plan.subject.model_dump_json(exclude_defaults=True),
+            plan=plan_index + 1,
+            usage_json=estimate.model_dump_json(exclude_defaults=True),
+            at_ms=result.now_ms,
+            max_output_tokens=result.max_output_tokens,
+            ttl_ms=ttl_ms,
+        ),
+        record_ttl_ms=ttl_ms + RECORD_GRACE_MS,
+    )
+    # A seal that fails (unknown whether it landed) leaves the pieces listed: the sweepers
+    # find the record (sealed) or write the tombstone and release them.
+    raw = await store.run("seal", seal_script.SCRIPT, call.keys(), call.argv())
+    reply = SealReply.decode(raw)
+    if reply.status == "sealed":
+        await _unlist(store, reservation_id, [p for p in held if layout.shard(p.shard) != home])
+        return result
+    await _release_all(store, reservation_id, held)
+    if reply.status == "replayed":
+        return AdmitResult.decode(["1", *reply.stored])
+    raise StoreUnavailable(
+        "the request outlived its pieces' deadline on another Redis Cluster shard and was "
+        "aborted (nothing reserved); retry"
+    )
