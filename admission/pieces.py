@@ -74,7 +74,7 @@ from spendgate.streams.scripts.absorb import AbsorbArgs, AbsorbKey
 if TYPE_CHECKING:
     from spendgate.admission.store import BudgetStore
 
-__all__ = ["Piece", "admit_across", "merge", "release_args", "split"]
+__all__ = ["Piece", "admit_across", "merge", "release_args", "seal", "split"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def merge(
         raise ValueError("merge: a key of the plan has no piece")
     return AdmitResult(
         replayed=False,
-        outcome=outcome,  # type: ignore[arg-type]
+        outcome=outcome,
         now_ms=max(r.now_ms for _, r in decided),
         retry_after_ms=None if never or not retries else max(retries),
         never_fits=never,
@@ -310,6 +310,41 @@ def _alternatives(plan: Plan, result: AdmitResult) -> list[int]:
     return out
 
 
+async def seal(
+    store: BudgetStore, plan: Plan, request_id: str, result: AdmitResult, estimate: Usage
+) -> SealReply:
+    """SEAL the merged ``result`` of ``plan`` on its home shard (the commit point)."""
+    layout = store.layout
+    tenant = plan.subject.tenant
+    home = layout.shard(layout.home_shard(tenant))
+    rid = result.reservation_id
+    terms = [c.terms or PolicyTerms.of(c.target.policy) for c in plan.charges]
+    ttl_ms = max((t.reservation_ttl_ms for t in terms), default=0)
+    call = SealArgs(
+        answer_key=request_key(home, tenant, request_id),
+        record_key=reservation_key(home, rid),
+        unpublished_key=unpublished_reserves_key(home),
+        tombstone_key=tombstone_key(home, rid),
+        provisional_key=provisional_key(home),
+        reservation_id=rid,
+        answer=encode_answer(result.answer_values()),
+        answer_ttl_ms=IDEMPOTENCY_TTL_MS,
+        record=ReservationRecord(
+            subject_json=plan.subject.model_dump_json(exclude_defaults=True),
+            plan=result.plan + 1,
+            usage_json=estimate.model_dump_json(exclude_defaults=True),
+            at_ms=result.now_ms,
+            max_output_tokens=result.max_output_tokens,
+            ttl_ms=ttl_ms,
+        ),
+        record_ttl_ms=ttl_ms + RECORD_GRACE_MS,
+    )
+    # A seal that fails (unknown whether it landed) leaves the pieces listed: the sweepers
+    # find the record (sealed) or write the tombstone and release them.
+    raw = await store.run("seal", seal_script.SCRIPT, call.keys(), call.argv())
+    return SealReply.decode(raw)
+
+
 def _replayed(raw: bytes | str) -> AdmitResult:
     return AdmitResult.decode(["1", *decode_answer(raw)])
 
@@ -361,32 +396,7 @@ async def admit_across(
                 break
     if result.outcome in ("reject", "unvouched"):
         return result
-    plan = plans[plan_index]
-    terms = [c.terms or PolicyTerms.of(c.target.policy) for c in plan.charges]
-    ttl_ms = max((t.reservation_ttl_ms for t in terms), default=0)
-    call = SealArgs(
-        answer_key=answer_key,
-        record_key=reservation_key(home, reservation_id),
-        unpublished_key=unpublished_reserves_key(home),
-        tombstone_key=tombstone_key(home, reservation_id),
-        provisional_key=provisional_key(home),
-        reservation_id=reservation_id,
-        answer=encode_answer(result.answer_values()),
-        answer_ttl_ms=IDEMPOTENCY_TTL_MS,
-        record=ReservationRecord(
-            subject_json=plan.subject.model_dump_json(exclude_defaults=True),
-            plan=plan_index + 1,
-            usage_json=estimate.model_dump_json(exclude_defaults=True),
-            at_ms=result.now_ms,
-            max_output_tokens=result.max_output_tokens,
-            ttl_ms=ttl_ms,
-        ),
-        record_ttl_ms=ttl_ms + RECORD_GRACE_MS,
-    )
-    # A seal that fails (unknown whether it landed) leaves the pieces listed: the sweepers
-    # find the record (sealed) or write the tombstone and release them.
-    raw = await store.run("seal", seal_script.SCRIPT, call.keys(), call.argv())
-    reply = SealReply.decode(raw)
+    reply = await seal(store, plans[plan_index], request_id, result, estimate)
     if reply.status == "sealed":
         await _unlist(store, reservation_id, [p for p in held if layout.shard(p.shard) != home])
         return result

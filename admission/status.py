@@ -92,7 +92,7 @@ async def _read_cluster(client: RedisCluster, prefix: str, staleness_ms: int) ->
     clock and its keys there; the marks may be a moment newer than the clock, never older
     than what an admit there saw)."""
     node = client.get_node_from_key(marks_key(prefix))
-    clock = await client.time(target_nodes=node)  # type: ignore[call-arg]
+    clock = await client.time(target_nodes=node)
     pipe = client.pipeline()
     for queued in _queue_keys(prefix):
         queued(pipe)

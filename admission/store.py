@@ -523,7 +523,8 @@ class BudgetStore:
         """
         names = [overage_key(self._prefix_of(c), c.target.key) for c in charges]
         if self.layout.cluster:
-            raw = await self._call("overage", lambda: self.client.mget_nonatomic(names))
+            cluster: Any = self.client
+            raw = await self._call("overage", lambda: cluster.mget_nonatomic(names))
         else:
             raw = await self._call("overage", lambda: self.client.mget(names))
         return [OverageMark.decode(v) for v in raw]

@@ -261,7 +261,7 @@ class KeyState:
     @classmethod
     def decode_all(
         cls,
-        values: Sequence[bytes | int],
+        values: Sequence[bytes | int | str],
         count: int,
         per: int = _REPLY_PER_TARGET,
         bursts: Mapping[int, tuple[int, int]] | None = None,
@@ -299,7 +299,7 @@ class AdmitResult:
     keys: tuple[KeyState, ...]
 
     @classmethod
-    def decode(cls, raw: Sequence[bytes | int]) -> AdmitResult:
+    def decode(cls, raw: Sequence[bytes | int | str]) -> AdmitResult:
         """Decode ADMIT's reply (``plan`` becomes 0-based)."""
         replayed, outcome, now_ms, retry, rid, plan, max_out, n, *rest = raw
         retry = int(retry)

@@ -1,0 +1,332 @@
+"""Admission on a real Redis Cluster: requests on their home shard, requests spanning shards
+decided piece by piece (``admission.pieces``), never over any limit, nothing left held.
+
+The budgets: one per tenant (on the tenant's home shard) and one per model (a budget
+that spans tenants: its own key's shard), so every request here spans two shards. The
+oracle is what each test sent and Redis's own pending sums, read key by key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from spendgate.admission import pieces
+from spendgate.admission.app import create_app
+from spendgate.admission.plans import Planner
+from spendgate.admission.server import budget_store, redis_client
+from spendgate.admission.settings import AdmissionSettings
+from spendgate.admission.store import BudgetStore
+from spendgate.admission.sweeper import ReserveSweeper
+from spendgate.devcluster import LocalCluster
+from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.layout import Layout, shard_of
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.redis_keys import (
+    provisional_key,
+    reservation_key,
+    tombstone_key,
+    unpublished_reserves_key,
+)
+from spendgate.streams.materialize import RedisMaterializer
+from tests.fixtures.admission import TOPOLOGY, VOUCHED, RecordingPublisher
+from tests.fixtures.held import apending_sum
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
+MODEL = "m1"
+#: The per-model budget's key, and its shard (every request below touches it).
+MODEL_KEY = f"per-model|model={MODEL}"
+
+
+def _policies(tenant_limit: int, model_limit: int, **model: Any) -> list[Policy]:
+    return [
+        Policy.model_validate(
+            {"id": "per-tenant", "limit": tenant_limit, "unit": "requests", "window": "1h",
+             "group_by": ["tenant"]}
+        ),
+        Policy.model_validate(
+            {"id": "per-model", "limit": model_limit, "unit": "requests", "window": "1h",
+             "group_by": ["model"], **model}
+        ),
+    ]  # fmt: skip
+
+
+def _tenants(count: int, *, before: bool | None = None) -> list[str]:
+    """Tenants whose home shard is not the per-model key's (``before``: only those whose
+    shard comes before it in the visiting order, or only after it)."""
+    model_shard = shard_of(MODEL_KEY)
+    out: list[str] = []
+    i = 0
+    while len(out) < count:
+        tenant = f"team-{i}"
+        home = shard_of(tenant)
+        if home != model_shard and (before is None or (home < model_shard) == before):
+            out.append(tenant)
+        i += 1
+    return out
+
+
+def _tenant_key(tenant: str) -> str:
+    return f"per-tenant|tenant={tenant}"
+
+
+@dataclass
+class Stack:
+    """An admission app on the cluster, with what it published."""
+
+    http: httpx.AsyncClient
+    store: BudgetStore
+    client: RedisCluster
+    layout: Layout
+    publisher: RecordingPublisher
+
+    async def policies(self, policies: list[Policy]) -> None:
+        materializer = RedisMaterializer(
+            self.client,  # type: ignore[arg-type]
+            self.layout.prefix,
+            limit_of=lambda pid: next((p.limit for p in policies if p.id == pid), None),
+            layout=self.layout,
+            policy_of=lambda pid: next((p for p in policies if p.id == pid), None),
+        )
+        await materializer.stand_in(policies, TOPOLOGY, VOUCHED)
+        self.store._checked = 0.0
+
+    async def admit(self, tenant: str, request_id: str | None = None) -> httpx.Response:
+        return await self.http.post(
+            "/v1/admit",
+            json={
+                "request_id": request_id or uuid.uuid4().hex,
+                "subject": {"tenant": tenant, "model": MODEL},
+                "estimate": {"requests": 1},
+            },
+        )
+
+    async def held(self, policy_key: str, tenant: str | None = None) -> int:
+        """What Redis holds pending on a budget key (on its shard)."""
+        shard = self.layout.shard(shard_of(tenant) if tenant is not None else shard_of(policy_key))
+        return await apending_sum(self.client, shard, policy_key)  # type: ignore[arg-type]
+
+    def sweeper(self) -> ReserveSweeper:
+        return ReserveSweeper(
+            self.client,  # type: ignore[arg-type]
+            self.layout.prefix,
+            self.publisher,
+            grace_s=0.0,
+            layout=self.layout,
+        )
+
+
+@pytest.fixture
+async def stack(
+    redis_cluster: LocalCluster, cluster_prefix: str
+) -> AsyncIterator[Callable[..., Any]]:
+    opened: list[Stack] = []
+
+    async def make(**overrides: Any) -> Stack:
+        settings = AdmissionSettings(
+            redis_url=redis_cluster.url,
+            redis_cluster=True,
+            redis_prefix=cluster_prefix,
+            redis_timeout_s=5.0,
+            redis_down_s=0.0,
+            policy_refresh_s=0.05,
+            **overrides,
+        )
+        client = redis_client(settings)
+        await client.initialize()  # type: ignore[attr-defined]
+        store = budget_store(settings, client)
+        publisher = RecordingPublisher()
+        app = create_app(store, publisher)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://adm")
+        made = Stack(http, store, client, store.layout, publisher)  # type: ignore[arg-type]
+        opened.append(made)
+        return made
+
+    yield make
+    for made in opened:
+        keys = [k async for k in made.client.scan_iter(match=f"{cluster_prefix}*", count=1000)]
+        for key in keys:
+            await made.client.delete(key)
+        await made.http.aclose()
+        await made.client.aclose()
+
+
+async def test_a_request_on_its_home_shard_is_one_script_call_there(stack: Any) -> None:
+    s: Stack = await stack()
+    tenant = "solo"
+    await s.policies(_policies(2, 100)[:1])
+    first = await s.admit(tenant)
+    assert first.status_code == 200, first.text
+    rid = first.json()["reservation_id"]
+    home = shard_of(tenant)
+    assert rid.startswith(f"s{home}-")
+    assert await s.client.exists(reservation_key(s.layout.shard(home), rid)) == 1
+    assert await s.held(_tenant_key(tenant), tenant) == 1
+    assert (await s.admit(tenant)).status_code == 200
+    third = await s.admit(tenant)
+    assert third.status_code == 429
+    commit = await s.http.post("/v1/commit", json={"reservation_id": rid, "usage": {"requests": 1}})
+    assert commit.status_code == 202, commit.text
+    assert s.publisher.kinds() == ["reserve", "reserve", "commit"]
+
+
+async def test_racing_requests_across_shards_admit_exactly_the_shared_limit(stack: Any) -> None:
+    s: Stack = await stack()
+    tenants = _tenants(8)
+    await s.policies(_policies(1_000, 60))
+    answers = await asyncio.gather(*(s.admit(tenants[i % 8]) for i in range(200)))
+    codes = [a.status_code for a in answers]
+    assert set(codes) <= {200, 429}
+    assert codes.count(200) == 60
+    assert await s.held(MODEL_KEY) == 60
+    for tenant in tenants:
+        mine = sum(
+            1 for i, a in enumerate(answers) if tenants[i % 8] == tenant and a.status_code == 200
+        )
+        assert await s.held(_tenant_key(tenant), tenant) == mine
+    refused = [a.json() for a in answers if a.status_code == 429]
+    assert all(r["violated"] == ["per-model"] for r in refused)
+    # Nothing is left provisional: every admitted request was sealed and unlisted.
+    for shard in s.layout.shards():
+        assert await s.client.zcard(provisional_key(shard)) == 0
+    assert s.publisher.kinds().count("reserve") == 60
+
+
+async def test_a_hierarchy_never_goes_over_and_releases_what_it_refused(stack: Any) -> None:
+    s: Stack = await stack()
+    tenants = _tenants(8)
+    await s.policies(_policies(10, 60))
+    answers = await asyncio.gather(*(s.admit(tenants[i % 8]) for i in range(200)))
+    admitted = {t: 0 for t in tenants}
+    for i, a in enumerate(answers):
+        assert a.status_code in (200, 429), a.text
+        if a.status_code == 200:
+            admitted[tenants[i % 8]] += 1
+    assert sum(admitted.values()) <= 60
+    assert all(n <= 10 for n in admitted.values())
+    # Every hold is an admitted request's: the refused ones released their pieces.
+    assert await s.held(MODEL_KEY) == sum(admitted.values())
+    for tenant in tenants:
+        assert await s.held(_tenant_key(tenant), tenant) == admitted[tenant]
+    # Asked one by one afterwards, the budgets fill to exactly their limits.
+    for _ in range(12):
+        for tenant in tenants:
+            if (await s.admit(tenant)).status_code == 200:
+                admitted[tenant] += 1
+    assert sum(admitted.values()) == 60
+    assert await s.held(MODEL_KEY) == 60
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["home-first", "home-last"])
+async def test_a_later_shard_refusing_releases_the_earlier_piece(stack: Any, before: bool) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1, before=before)[0]
+    await s.policies(_policies(5, 1))
+    assert (await s.admit("filler-" + tenant)).status_code == 200
+    refused = await s.admit(tenant)
+    assert refused.status_code == 429, refused.text
+    body = refused.json()
+    assert body["violated"] == ["per-model"]
+    assert await s.held(_tenant_key(tenant), tenant) == 0
+    assert await s.held(MODEL_KEY) == 1
+    budgets = {b["policy"]: b for b in body["budgets"]}
+    assert set(budgets) == {"per-tenant", "per-model"}
+    # Read where each key lives: the tenant's (its piece released, or never held) and the
+    # model's, full.
+    assert budgets["per-tenant"]["used"] == 0
+    assert budgets["per-model"]["used"] + budgets["per-model"]["reserved"] == 1
+
+
+async def test_a_repeated_request_id_gets_its_first_answer_and_holds_once(stack: Any) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(_policies(5, 5))
+    rid = uuid.uuid4().hex
+    first, again = await s.admit(tenant, rid), await s.admit(tenant, rid)
+    assert first.status_code == again.status_code == 200
+    assert first.json()["reservation_id"] == again.json()["reservation_id"]
+    racing = await asyncio.gather(*(s.admit(tenant, "race") for _ in range(5)))
+    assert len({r.json()["reservation_id"] for r in racing}) == 1
+    assert await s.held(MODEL_KEY) == 2
+    assert await s.held(_tenant_key(tenant), tenant) == 2
+
+
+async def test_a_crash_between_shards_is_released_by_the_sweeper(stack: Any) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(_policies(5, 5))
+    # The first piece of a request, held as an admission process does before it dies.
+    subject = Subject(tenant=tenant, model=MODEL)
+    plans = Planner(await s.store.policies(), None).plans(subject, Usage(requests=1))
+    rid = s.store.new_reservation_id(tenant, uuid.uuid4().hex)
+    first = pieces.split(s.store, plans[0])[0]
+    result = await pieces._decide_piece(s.store, first, plans[0], "crashed", rid, 0, hold=True)
+    assert result.outcome == "allow"
+    held_key = first.charges[0].target.key
+    on = s.layout.shard(first.shard)
+    assert await s.client.zscore(provisional_key(on), rid) is not None
+    # Before its deadline the sweeper leaves it alone; past it, it aborts and releases.
+    sweeper = s.sweeper()
+    assert await sweeper.sweep_pieces() == 0
+    assert await sweeper.sweep_pieces(now_ms=VOUCHED) == 1
+    home = s.layout.shard(shard_of(tenant))
+    assert await s.client.exists(tombstone_key(home, rid)) == 1
+    assert await s.client.zcard(provisional_key(on)) == 0
+    tenant_of_key = tenant if held_key == _tenant_key(tenant) else None
+    assert await s.held(held_key, tenant_of_key) == 0
+    # The request's own process, had it lived on, could no longer seal it.
+    reply = await pieces.seal(s.store, plans[0], "crashed", result, Usage(requests=1))
+    assert reply.status == "tombstoned"
+    assert await s.client.exists(reservation_key(home, rid)) == 0
+
+
+async def test_a_sealed_reservation_whose_pieces_stayed_listed_is_only_unlisted(
+    stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(_policies(5, 5))
+
+    async def crashed(*_: Any) -> None:
+        return None
+
+    monkeypatch.setattr(pieces, "_unlist", crashed)
+    admitted = await s.admit(tenant)
+    assert admitted.status_code == 200
+    rid = admitted.json()["reservation_id"]
+    listed = [p for p in s.layout.shards() if await s.client.zscore(provisional_key(p), rid)]
+    assert listed == [s.layout.shard(shard_of(MODEL_KEY))]
+    assert await s.sweeper().sweep_pieces(now_ms=VOUCHED) == 1
+    assert await s.held(MODEL_KEY) == 1
+    assert await s.held(_tenant_key(tenant), tenant) == 1
+    home = s.layout.shard(shard_of(tenant))
+    assert await s.client.zscore(unpublished_reserves_key(home), rid) is not None
+
+
+async def test_unpublished_reserves_are_republished_from_their_shards(stack: Any) -> None:
+    s: Stack = await stack()
+    tenants = _tenants(3)
+    await s.policies(_policies(5, 5))
+    rids = []
+    for tenant in tenants:
+        answer = await s.admit(tenant)
+        assert answer.status_code == 200
+        rids.append(answer.json()["reservation_id"])
+    s.publisher.events.clear()
+    sweeper = s.sweeper()
+    assert await sweeper.sweep() == 3
+    assert sorted(e.reservation_id for e in s.publisher.events) == sorted(rids)  # type: ignore[attr-defined]
+    for event in s.publisher.events:
+        sweeper.acked(event)
+    assert await sweeper.flush_acked() == 3
+    for tenant in tenants:
+        home = s.layout.shard(shard_of(tenant))
+        assert await s.client.zcard(unpublished_reserves_key(home)) == 0
