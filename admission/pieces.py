@@ -341,7 +341,7 @@ async def seal(
     )
     # A seal that fails (unknown whether it landed) leaves the pieces listed: the sweepers
     # find the record (sealed) or write the tombstone and release them.
-    raw = await store.run("seal", seal_script.SCRIPT, call.keys(), call.argv())
+    raw = await store.run("seal", seal_script.SCRIPT, call.keys(), call.argv(), durable=True)
     return SealReply.decode(raw)
 
 

@@ -78,6 +78,8 @@ def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetS
         staleness_ms=int(settings.staleness_s * 1000),
         layout=layout_of(settings.redis_prefix, settings.redis_cluster),
         piece_grace_ms=int(settings.reserve_grace_s * 1000),
+        wait_replicas=settings.redis_wait_replicas,
+        wait_ms=settings.redis_wait_ms,
     )
 
 

@@ -22,6 +22,13 @@ class AdmissionSettings(SubjectSecretSettings):
     #: virtual shard (``schemas.layout``), a request spanning shards is admitted piece by
     #: piece (``admission.pieces``). The worker's setting must be the same.
     redis_cluster: Switch = False
+    #: On a cluster, the replicas that must acknowledge a step that holds (admit, seal,
+    #: extend) before it is answered, so a failover never loses an answered reservation
+    #: (``admission.replicated``); fewer in ``redis_wait_ms`` is a store failure (the
+    #: failure modes answer). 0: answered once the master holds it (a failover may lose
+    #: the last moments of reservations).
+    redis_wait_replicas: int = Field(1, ge=0)
+    redis_wait_ms: int = Field(100, ge=1)
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
     #: YAML/JSON price catalog for ``cost_usd`` policies (none: only events carrying

@@ -25,6 +25,7 @@ from spendgate.admission.decide import (
 from spendgate.admission.exceptions import Overloaded, StoreUnavailable, Unprocessable
 from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
 from spendgate.admission.pieces import admit_across
+from spendgate.admission.replicated import run_replicated
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
 from spendgate.admission.scripts import admit as admit_script
 from spendgate.admission.scripts import extend as extend_script
@@ -100,6 +101,8 @@ class BudgetStore:
         staleness_ms: int = 30_000,
         layout: Layout | None = None,
         piece_grace_ms: int = 30_000,
+        wait_replicas: int = 0,
+        wait_ms: int = 100,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -107,6 +110,10 @@ class BudgetStore:
         self.layout = layout or Layout(prefix)
         #: A piece of a request spanning shards unsealed this long is swept (released).
         self.piece_grace_ms = piece_grace_ms
+        #: On a cluster: replicas that must hold a step's holds before it is answered
+        #: (``admission.replicated``; 0: answered once the master has them).
+        self.wait_replicas = wait_replicas if self.layout.cluster else 0
+        self.wait_ms = wait_ms
         self.refresh_s = refresh_s
         self.down_s = down_s
         self.staleness_ms = staleness_ms
@@ -293,15 +300,37 @@ class BudgetStore:
     async def run_admit(self, keys: Sequence[str], args: Sequence[bytes | str | int]) -> Any:
         """One ADMIT call (no backpressure of its own: callers wrap it in ``_call``)."""
         if self.layout.cluster:
-            return await run_script(self.client, admit_script.SCRIPT, keys, args)
+            return await self._routed(admit_script.SCRIPT, keys, args, durable=True)
         source = admit_script.SCRIPT.source
         return await resp.evalsha(self.client, self._admit_sha, source, keys, args)
 
     async def run(
-        self, what: str, script: LuaScript, keys: Sequence[str], args: Sequence[bytes | str | int]
+        self,
+        what: str,
+        script: LuaScript,
+        keys: Sequence[str],
+        args: Sequence[bytes | str | int],
+        *,
+        durable: bool = False,
     ) -> Any:
-        """One call of ``script``, routed by its keys on a cluster, with backpressure."""
-        return await self._call(what, lambda: run_script(self.client, script, keys, args))
+        """One call of ``script``, routed by its keys on a cluster, with backpressure;
+        ``durable``: answered only once ``wait_replicas`` replicas hold its writes."""
+        return await self._call(what, lambda: self._routed(script, keys, args, durable=durable))
+
+    async def _routed(
+        self,
+        script: LuaScript,
+        keys: Sequence[str],
+        args: Sequence[bytes | str | int],
+        *,
+        durable: bool,
+    ) -> Any:
+        if durable and self.wait_replicas > 0:
+            cluster: Any = self.client
+            return await run_replicated(
+                cluster, script, keys, args, replicas=self.wait_replicas, timeout_ms=self.wait_ms
+            )
+        return await run_script(self.client, script, keys, args)
 
     def add_plans(
         self, call: AdmitCall, prefix: str, plans: Sequence[Plan], *, alternatives: bool = True
@@ -476,7 +505,9 @@ class BudgetStore:
             targets=tuple(targets),
         )
         if self.layout.cluster:
-            raw = await self.run("extend", extend_script.SCRIPT, call.keys(), call.argv())
+            raw = await self.run(
+                "extend", extend_script.SCRIPT, call.keys(), call.argv(), durable=True
+            )
         else:
             raw = await self._call(
                 "extend", lambda: self._extend(keys=call.keys(), args=call.argv())

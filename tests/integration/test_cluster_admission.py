@@ -330,3 +330,19 @@ async def test_unpublished_reserves_are_republished_from_their_shards(stack: Any
     for tenant in tenants:
         home = s.layout.shard(shard_of(tenant))
         assert await s.client.zcard(unpublished_reserves_key(home)) == 0
+
+
+async def test_a_hold_no_replica_acknowledged_is_answered_by_the_failure_mode(
+    stack: Any,
+) -> None:
+    # Every master here has one replica: asking for two can never be met in time.
+    s: Stack = await stack(redis_wait_replicas=2, redis_wait_ms=20)
+    tenant = _tenants(1)[0]
+    await s.policies(_policies(5, 5))
+    answer = await s.admit(tenant)
+    assert answer.status_code == 503, answer.text
+    assert "replicas" in answer.json()["error"]["message"]
+    assert s.publisher.kinds() == []
+    # With the one replica there is, the same request is answered (and durable).
+    ok: Stack = await stack(redis_wait_replicas=1)
+    assert (await ok.admit(tenant)).status_code == 200
