@@ -18,6 +18,7 @@ call; the next one goes to the new master.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import Any
@@ -62,15 +63,19 @@ async def run_replicated(
         ]
         try:
             await node.execute_pipeline(calls)
-        except (RedisConnectionError, OSError) as exc:
+        except (RedisConnectionError, OSError, AttributeError) as exc:
+            # AttributeError: redis-py closed this connection under the call (its view of
+            # the cluster was being refreshed after a failover): a lost connection too.
             await _refresh(client)
-            raise RedisConnectionError(f"cluster node {node.name} failed: {exc}") from exc
+            raise RedisConnectionError(f"cluster node {node.name} failed: {exc!r}") from exc
         reply, acked = calls[0].result, calls[1].result
         if isinstance(reply, NoScriptError) and name == "EVALSHA":
             continue
-        if isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")):
+        if isinstance(reply, ResponseError) and str(reply).startswith(
+            ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+        ):
             await _refresh(client)
-            raise RedisConnectionError(f"slot moved ({reply}); the cluster view is refreshed")
+            raise RedisConnectionError(f"{node.name} cannot serve the slot now ({reply})")
         if isinstance(reply, BaseException):
             raise reply
         if isinstance(acked, BaseException):
@@ -84,7 +89,16 @@ async def run_replicated(
     raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
 
+_refreshing: dict[int, asyncio.Lock] = {}
+
+
 async def _refresh(client: RedisCluster) -> None:
-    """Re-read the cluster's slots (after a failover); a failure is left to the next call."""
-    with contextlib.suppress(RedisConnectionError, OSError, ResponseError):
-        await client.nodes_manager.initialize()
+    """Re-read the cluster's slots (after a failover), once for every call that failed
+    meanwhile; a failure is left to the next call."""
+    lock = _refreshing.setdefault(id(client), asyncio.Lock())
+    if lock.locked():
+        async with lock:
+            return
+    async with lock:
+        with contextlib.suppress(RedisConnectionError, OSError, ResponseError):
+            await client.nodes_manager.initialize()

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -75,7 +76,16 @@ logger = logging.getLogger(__name__)
 
 #: A mark field no worker writes: without a topology every window counts as missing.
 _NO_TOPOLOGY = "topology-unknown"
-_STORE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+#: A cluster answering CLUSTERDOWN, TRYAGAIN or with no master for a slot (a failover in
+#: progress) is unreachable for that call too.
+_STORE_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
+)
 #: Mark dependencies remembered per budget key (cleared when full or the topology changes).
 _DEPS_MEMORY = 100_000
 T = TypeVar("T")

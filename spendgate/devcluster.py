@@ -249,6 +249,17 @@ class LocalCluster:
         self._children.clear()
         return stopped
 
+    def detach(self) -> None:
+        """Leave the nodes this object started running beyond it (as ``dev cluster up``
+        does): it forgets them, so dropping it neither waits for them nor warns that
+        they still run. They are found again by their pid files."""
+        for child in self._children.values():
+            if child.poll() is None:
+                # Popen's own record that nothing is left to wait for: the node now belongs
+                # to the pid file, not to this process.
+                child.returncode = 0
+        self._children.clear()
+
     def wipe(self) -> None:
         """Delete every node's data and cluster config (call after :meth:`down`)."""
         shutil.rmtree(self.dir, ignore_errors=True)

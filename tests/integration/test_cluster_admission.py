@@ -9,6 +9,9 @@ oracle is what each test sent and Redis's own pending sums, read key by key.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.layout import Layout, shard_of
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (
+    marks_key,
     provisional_key,
     reservation_key,
     tombstone_key,
@@ -37,6 +41,7 @@ from spendgate.schemas.redis_keys import (
 )
 from spendgate.streams.materialize import RedisMaterializer
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, RecordingPublisher
+from tests.fixtures.cluster import healed
 from tests.fixtures.held import apending_sum
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -346,3 +351,55 @@ async def test_a_hold_no_replica_acknowledged_is_answered_by_the_failure_mode(
     # With the one replica there is, the same request is answered (and durable).
     ok: Stack = await stack(redis_wait_replicas=1)
     assert (await ok.admit(tenant)).status_code == 200
+
+
+async def test_a_master_killed_under_load_fails_over_and_never_admits_over(
+    stack: Any, redis_cluster: LocalCluster
+) -> None:
+    s: Stack = await stack()
+    tenants = _tenants(8)
+    limit = 120
+    await s.policies(_policies(10_000, limit))
+    shard = s.layout.shard(shard_of(MODEL_KEY))
+    master = s.client.get_node_from_key(marks_key(shard)).port  # type: ignore[union-attr]
+    pid = redis_cluster.pid(master)
+    assert pid is not None
+    answers: list[tuple[str, int, str]] = []
+
+    async def load(phase: str, count: int) -> None:
+        async def one(i: int) -> None:
+            r = await s.admit(tenants[i % 8])
+            answers.append((phase, r.status_code, r.text))
+
+        for start in range(0, count, 4):
+            await asyncio.gather(*(one(i) for i in range(start, min(count, start + 4))))
+
+    try:
+        await load("before", 40)
+        os.kill(pid, signal.SIGKILL)
+        # Under load through the failover: the shard's requests answer by the failure
+        # mode (closed: 503), first while its master is gone, then while its promoted
+        # replica has no replica of its own to acknowledge a hold.
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline:
+            await load("failover", 4)
+            if "replicas" in answers[-1][2]:
+                break
+            await asyncio.sleep(0.2)
+        # The killed node comes back as the new master's replica: decided again.
+        healed(redis_cluster)
+        await load("after", 200)
+    finally:
+        healed(redis_cluster)
+    codes = {p: [c for q, c, _ in answers if q == p] for p in ("before", "failover", "after")}
+    assert codes["before"] == [200] * 40
+    assert set(codes["failover"]) == {503}
+    assert "replicas" in answers[len(codes["before"]) + len(codes["failover"]) - 1][2]
+    assert set(codes["after"]) == {200, 429}
+    admitted = sum(1 for _, c, _ in answers if c == 200)
+    held = await s.held(MODEL_KEY)
+    # None over the limit; none answered lost by the promoted replica (holds of steps
+    # answered by the failure mode may stand beside them: never fewer).
+    assert admitted <= held <= limit
+    assert codes["after"][-1] == 429
+    assert s.client.get_node_from_key(marks_key(shard)).port != master  # type: ignore[union-attr]
