@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from spendgate.schemas.luascript import LuaScript
 
-__all__ = ["ReplicaLag", "run_replicated"]
+__all__ = ["ReplicaLag", "connection_lost", "run_replicated"]
 
 
 class ReplicaLag(RedisConnectionError):
@@ -63,9 +64,9 @@ async def run_replicated(
         ]
         try:
             await node.execute_pipeline(calls)
-        except (RedisConnectionError, OSError, AttributeError) as exc:
-            # AttributeError: redis-py closed this connection under the call (its view of
-            # the cluster was being refreshed after a failover): a lost connection too.
+        except (RedisConnectionError, OSError, AttributeError, TypeError) as exc:
+            if isinstance(exc, AttributeError | TypeError) and not connection_lost(exc):
+                raise
             await _refresh(client)
             raise RedisConnectionError(f"cluster node {node.name} failed: {exc!r}") from exc
         reply, acked = calls[0].result, calls[1].result
@@ -89,6 +90,21 @@ async def run_replicated(
     raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
 
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py's asyncio connection writing to a transport the peer
+    closed (redis-py issue 4287: an ``AttributeError`` or ``TypeError`` from the write
+    path instead of ``ConnectionError``), so a lost connection, not a bug of the caller."""
+    if not isinstance(exc, AttributeError | TypeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_REDIS_CONNECTION):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_REDIS_CONNECTION = os.path.join("redis", "asyncio", "connection.py")
 _refreshing: dict[int, asyncio.Lock] = {}
 
 

@@ -26,7 +26,7 @@ from spendgate.admission.decide import (
 from spendgate.admission.exceptions import Overloaded, StoreUnavailable, Unprocessable
 from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
 from spendgate.admission.pieces import admit_across
-from spendgate.admission.replicated import run_replicated
+from spendgate.admission.replicated import connection_lost, run_replicated
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
 from spendgate.admission.scripts import admit as admit_script
 from spendgate.admission.scripts import extend as extend_script
@@ -159,7 +159,12 @@ class BudgetStore:
         gate = self.backpressure
         started = await gate.acquire()
         try:
-            return await call()
+            try:
+                return await call()
+            except (AttributeError, TypeError) as exc:
+                if not connection_lost(exc):
+                    raise
+                raise RedisConnectionError(f"connection lost mid-call ({exc!r})") from exc
         except _STORE_ERRORS as exc:
             reason = gate.blame(exc, started)
             if reason is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 
 from spendgate.dashboard.views import KeyRow, key_row, window_series
 from spendgate.schemas import window_codec
+from spendgate.schemas.layout import Layout
 from spendgate.schemas.matching import parse_key
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import (
@@ -42,10 +44,16 @@ class Page:
 class BudgetReader:
     """The dashboard's reads of what the worker and admission keep in Redis."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, client: aioredis.Redis, prefix: str, layout: Layout | None = None) -> None:
         self.client = client
         self.prefix = prefix
-        self._member_prefix = window_key(prefix, "")
+        #: One Redis, or a cluster: then each virtual shard has its own utilization index
+        #: and the pages merge them by score.
+        self.layout = layout or Layout(prefix)
+        self._indexes = tuple(utilization_key(shard) for shard in self.layout.shards())
+        self._member = re.compile(
+            re.escape(prefix) + (r"\{s\d+\}" if self.layout.cluster else "") + re.escape("w:")
+        )
         self._policies: tuple[object, dict[str, Policy]] = (b"-", {})
 
     async def now_ms(self) -> int:
@@ -55,9 +63,10 @@ class BudgetReader:
 
     async def policies(self) -> dict[str, Policy]:
         """The policies in force, re-read only when their version moved."""
-        version = await self.client.get(policies_version_key(self.prefix))
+        control = self.layout.control
+        version = await self.client.get(policies_version_key(control))
         if version != self._policies[0]:
-            raw = await self.client.hgetall(policies_key(self.prefix))
+            raw = await self.client.hgetall(policies_key(control))
             found: dict[str, Policy] = {}
             for pid, value in raw.items():
                 try:
@@ -87,13 +96,13 @@ class BudgetReader:
         """
         limit = max(1, min(limit, MAX_PAGE))
         policies = await self.policies()
-        index = utilization_key(self.prefix)
         unfiltered = tenant is None and policy is None and may_read(None)
         if sort == "share" and unfiltered:
-            matched = int(await self.client.zcard(index))
-            rng = self.client.zrevrange if descending else self.client.zrange
-            members = [m for m in await rng(index, offset, offset + limit - 1)]
-            keys = [self._key(m) for m in members]
+            matched = 0
+            for index in self._indexes:
+                matched += int(await self.client.zcard(index))
+            ranked = await self._ranked(offset, limit, descending)
+            keys = [self._key(m) for m in ranked]
         else:
             names = await self._matching(policies, may_read, tenant, policy, descending)
             if sort != "share":
@@ -113,64 +122,99 @@ class BudgetReader:
         policy: str | None,
         descending: bool,
     ) -> list[str]:
-        """Every indexed key passing the filters, in index order (names only)."""
-        index = utilization_key(self.prefix)
+        """Every indexed key passing the filters, in index order (names and scores only;
+        on a cluster the shards' indexes are read in turn and ordered by score)."""
         rng = self.client.zrevrange if descending else self.client.zrange
-        out: list[str] = []
-        start = 0
-        while True:
-            chunk = await rng(index, start, start + SCAN_CHUNK - 1)
-            for member in chunk:
-                key = self._key(member)
-                pid, fields = parse_key(key)
-                p = policies.get(pid)
-                if p is None or (policy is not None and pid != policy):
-                    continue
-                owner = tenant_of(p, fields)
-                if not may_read(owner) or (tenant is not None and owner != tenant):
-                    continue
-                out.append(key)
-            if len(chunk) < SCAN_CHUNK:
-                return out
-            start += SCAN_CHUNK
+        out: list[tuple[float, str]] = []
+        for index in self._indexes:
+            start = 0
+            while True:
+                chunk = await rng(index, start, start + SCAN_CHUNK - 1, withscores=True)
+                for member, score in chunk:
+                    key = self._key(member)
+                    pid, fields = parse_key(key)
+                    p = policies.get(pid)
+                    if p is None or (policy is not None and pid != policy):
+                        continue
+                    owner = tenant_of(p, fields)
+                    if not may_read(owner) or (tenant is not None and owner != tenant):
+                        continue
+                    out.append((float(score), key))
+                if len(chunk) < SCAN_CHUNK:
+                    break
+                start += SCAN_CHUNK
+        if len(self._indexes) > 1:
+            out.sort(key=lambda item: item[0], reverse=descending)
+        return [key for _, key in out]
+
+    async def _ranked(self, start: int, count: int, descending: bool) -> list[object]:
+        """Index members by score, ranks ``start`` .. ``start + count - 1`` (on a cluster,
+        of every shard's index merged by score)."""
+        rng = self.client.zrevrange if descending else self.client.zrange
+        if len(self._indexes) == 1:
+            return list(await rng(self._indexes[0], start, start + count - 1))
+        scored: list[tuple[float, object]] = []
+        for index in self._indexes:
+            for member, score in await rng(index, 0, start + count - 1, withscores=True):
+                scored.append((float(score), member))
+        scored.sort(key=lambda item: item[0], reverse=descending)
+        return [member for _, member in scored[start : start + count]]
+
+    def _prefix_of(self, key: str, policies: dict[str, Policy]) -> str:
+        """The shard prefix of a budget key's window (the prefix without a cluster)."""
+        p = policies.get(parse_key(key)[0])
+        if p is None or not self.layout.cluster:
+            return self.prefix
+        return self.layout.of_key(p, key)
 
     async def _rows(self, keys: list[str], policies: dict[str, Policy]) -> list[KeyRow]:
         """Decode the windows of ``keys``; a key whose window expired, or whose policy was
         deleted, leaves the index."""
         if not keys:
             return []
-        now_ms, held = await self._windows(keys)
-        rows, gone = [], []
+        now_ms, held = await self._windows(keys, policies)
+        rows: list[KeyRow] = []
+        gone: dict[str, list[str]] = {}
         for key, (window, pending) in zip(keys, held, strict=True):
             p = policies.get(parse_key(key)[0])
             if p is None or (window is None and not pending):
                 # Its policy was deleted, or its window expired: it leaves the index.
-                gone.append(window_key(self.prefix, key))
+                shard = self._prefix_of(key, policies)
+                gone.setdefault(shard, []).append(window_key(shard, key))
                 continue
             rows.append(key_row(key, p, window, pending, now_ms))
-        if gone:
-            await self.client.zrem(utilization_key(self.prefix), *gone)
+        for shard, members in gone.items():
+            await self.client.zrem(utilization_key(shard), *members)
         return rows
 
     async def detail(self, key: str) -> tuple[KeyRow, dict[str, Any]] | None:
         """One key's row and its window over time (``None``: no such key or policy)."""
-        p = (await self.policies()).get(parse_key(key)[0])
+        policies = await self.policies()
+        p = policies.get(parse_key(key)[0])
         if p is None:
             return None
-        now_ms, [(window, pending)] = await self._windows([key])
+        now_ms, [(window, pending)] = await self._windows([key], policies)
         if window is None and not pending:
             return None
         return key_row(key, p, window, pending, now_ms), window_series(p, window, pending, now_ms)
 
-    async def _windows(self, keys: list[str]) -> tuple[int, list[tuple[Any, Any]]]:
-        """The Redis clock (ms) and each key's window and pending window, read together."""
-        async with self.client.pipeline(transaction=False) as pipe:
+    async def _windows(
+        self, keys: list[str], policies: dict[str, Policy]
+    ) -> tuple[int, list[tuple[Any, Any]]]:
+        """The Redis clock (ms) and each key's window and pending window, read together
+        (on a cluster, one node's clock)."""
+        pipe = self.client.pipeline(transaction=False)
+        cluster = self.layout.cluster
+        if not cluster:
             pipe.time()
-            for key in keys:
-                pipe.get(window_key(self.prefix, key))
-                pipe.hgetall(pending_window_key(self.prefix, key))
-                pipe.hgetall(pending_total_key(self.prefix, key))
-            (seconds, micros), *replies = await pipe.execute()
+        for key in keys:
+            shard = self._prefix_of(key, policies)
+            pipe.get(window_key(shard, key))
+            pipe.hgetall(pending_window_key(shard, key))
+            pipe.hgetall(pending_total_key(shard, key))
+        replies = list(await pipe.execute())
+        clock = await self.client.time() if cluster else replies.pop(0)
+        seconds, micros = clock
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         return now_ms, [
             (window, window_codec.pending_fields(v1, v2))
@@ -184,7 +228,9 @@ class BudgetReader:
         return (p is not None, tenant_of(p, fields) if p is not None else None)
 
     def _key(self, member: object) -> str:
-        return _text(member)[len(self._member_prefix) :]
+        text = _text(member)
+        found = self._member.match(text)
+        return text[found.end() :] if found else text
 
 
 def _text(value: object) -> str:

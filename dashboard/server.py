@@ -8,7 +8,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
 import uvicorn
 from starlette.applications import Starlette
 
@@ -18,6 +17,7 @@ from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.settings import DashboardSettings
 from spendgate.schemas.alerts import Alert
+from spendgate.schemas.redis_connect import async_client, layout_of
 from spendgate.schemas.refusals import Refusal
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 
 def build_app(settings: DashboardSettings) -> Starlette:
     """The dashboard app whose lifespan runs the alert and refusal feeds and the scraper."""
-    client = aioredis.Redis.from_url(settings.redis_url)
-    reader = BudgetReader(client, settings.redis_prefix)
+    client = async_client(settings.redis_url, settings.redis_cluster)
+    reader = BudgetReader(
+        client, settings.redis_prefix, layout_of(settings.redis_prefix, settings.redis_cluster)
+    )
     alerts = TopicFeed(
         settings.kafka_bootstrap, settings.topic("alerts"), Alert, settings.feed_size
     )

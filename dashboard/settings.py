@@ -17,6 +17,8 @@ class DashboardSettings(BaseSettings):
 
     kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster (``schemas.layout``).
+    redis_cluster: Switch = False
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
     dashboard_host: str = "127.0.0.1"

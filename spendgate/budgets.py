@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
-
 from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.views import KeyRow
 from spendgate.schemas.matching import parse_key
+from spendgate.schemas.redis_connect import async_client, layout_of
 
 __all__ = ["top_budgets"]
 
@@ -30,17 +29,18 @@ async def top_budgets(
     tenant: str | None = None,
     policy: str | None = None,
     subject: Sequence[tuple[str, str]] = (),
+    cluster: bool = False,
 ) -> list[KeyRow]:
     """The ``top`` budgets by utilization (used + reserved over limit), highest first.
 
     Candidates come from the worker's utilization index (``schemas.redis_keys.
     utilization_key``) in its order, so only the rows shown are decoded; ``tenant`` and
     ``policy`` filter on the index's names, ``subject`` (``field=value`` pairs) on the
-    keys' ``group_by`` values.
+    keys' ``group_by`` values. ``cluster``: ``redis_url`` names a Redis Cluster node.
     """
-    client = aioredis.Redis.from_url(redis_url)
+    client = async_client(redis_url, cluster)
     try:
-        reader = BudgetReader(client, prefix)
+        reader = BudgetReader(client, prefix, layout_of(prefix, cluster))
         wanted = dict(subject)
         rows: list[KeyRow] = []
         offset = 0

@@ -427,6 +427,7 @@ def budgets(
                 tenant=tenant,
                 policy=policy_id,
                 subject=pairs,
+                cluster=settings.redis_cluster,
             )
         )
         return budget_table(rows)
