@@ -129,7 +129,7 @@ class BudgetReader:
         for index in self._indexes:
             start = 0
             while True:
-                chunk = await rng(index, start, start + SCAN_CHUNK - 1, withscores=True)
+                chunk: list[Any] = await rng(index, start, start + SCAN_CHUNK - 1, withscores=True)
                 for member, score in chunk:
                     key = self._key(member)
                     pid, fields = parse_key(key)
@@ -155,8 +155,8 @@ class BudgetReader:
             return list(await rng(self._indexes[0], start, start + count - 1))
         scored: list[tuple[float, object]] = []
         for index in self._indexes:
-            for member, score in await rng(index, 0, start + count - 1, withscores=True):
-                scored.append((float(score), member))
+            top: list[Any] = await rng(index, 0, start + count - 1, withscores=True)
+            scored += ((float(score), member) for member, score in top)
         scored.sort(key=lambda item: item[0], reverse=descending)
         return [member for _, member in scored[start : start + count]]
 
