@@ -25,9 +25,9 @@ its keys at once. The protocol keeps the invariant "never over any limit":
 
 The actions across shards: ``reject``, ``observe`` and ``delay`` (which repeats admits)
 need nothing more. ``cap``: each piece is decided with the output the earlier pieces left
-(it can only lower it); a piece holds its amount at the output it was decided at, never
-less than the final one, so a cap lowered later over-holds on earlier shards until the
-worker absorbs the reserve (never under). ``downgrade`` and ``route``: plan by plan; the
+(it can only lower it) and holds its amounts at that output; a cap lowered by a later
+piece leaves the earlier ones holding more than the final amount until the worker
+absorbs the reserve (over, never under). ``downgrade`` and ``route``: plan by plan; the
 asked plan's pieces decide with their alternatives off, and when every refusal came from
 keys offering one, the alternatives are tried in order as whole plans of their own, each
 released before the next. ``burst``: a bucket lives beside its window, in its piece; the
@@ -224,16 +224,22 @@ async def _decide_piece(
     output_tokens: int,
     *,
     hold: bool,
+    estimate_output: int,
 ) -> AdmitResult:
-    """ADMIT on one shard over the piece's keys: in piece mode (``hold``) or read-only."""
+    """ADMIT on one shard over the piece's keys: in piece mode (``hold``) or read-only,
+    at ``output_tokens`` (below ``estimate_output``: the cap earlier pieces set)."""
     prefix = store.layout.shard(piece.shard)
+    charges = piece.charges
+    if output_tokens < estimate_output:
+        # An earlier piece capped the output: this one holds its amounts at that output.
+        charges = tuple(_at_output(c, output_tokens) for c in charges)
     call = AdmitCall(
         request_key(prefix, plan.subject.tenant, request_id),
         piece_key(prefix, reservation_id),
         provisional_key(prefix),
         marks_key(prefix),
     )
-    part = Plan(plan.subject, piece.charges, plan.kind)
+    part = Plan(plan.subject, charges, plan.kind)
     record_ttl_ms, marks = store.add_plans(call, prefix, [part], alternatives=False)
     header = AdmitHeader(
         read_only=not hold,
@@ -271,7 +277,14 @@ async def _attempt(
     try:
         for piece in split(store, plan):
             result = await _decide_piece(
-                store, piece, plan, request_id, reservation_id, out, hold=not refused
+                store,
+                piece,
+                plan,
+                request_id,
+                reservation_id,
+                out,
+                hold=not refused,
+                estimate_output=output_tokens,
             )
             decided.append((piece, result))
             if refused:
@@ -290,6 +303,15 @@ async def _attempt(
         await _release_all(store, reservation_id, held)
         held = []
     return merged, held
+
+
+def _at_output(charge: Charge, output_tokens: int) -> Charge:
+    """``charge`` with its amount at ``output_tokens`` (never above the amount asked)."""
+    cap = charge.cap
+    if cap.r == 0:
+        return charge
+    amount = -(-(cap.s + output_tokens * cap.r) // cap.d)
+    return dataclasses.replace(charge, amount=min(charge.amount, amount))
 
 
 def _alternatives(plan: Plan, result: AdmitResult) -> list[int]:

@@ -38,7 +38,9 @@ from spendgate.schemas.redis_keys import (
     reservation_key,
     tombstone_key,
     unpublished_reserves_key,
+    window_key,
 )
+from spendgate.schemas.window_codec import encode
 from spendgate.streams.materialize import RedisMaterializer
 from tests.fixtures.admission import TOPOLOGY, VOUCHED, RecordingPublisher
 from tests.fixtures.cluster import healed
@@ -104,13 +106,15 @@ class Stack:
         await materializer.stand_in(policies, TOPOLOGY, VOUCHED)
         self.store._checked = 0.0
 
-    async def admit(self, tenant: str, request_id: str | None = None) -> httpx.Response:
+    async def admit(
+        self, tenant: str, request_id: str | None = None, model: str = MODEL, **estimate: int
+    ) -> httpx.Response:
         return await self.http.post(
             "/v1/admit",
             json={
                 "request_id": request_id or uuid.uuid4().hex,
-                "subject": {"tenant": tenant, "model": MODEL},
-                "estimate": {"requests": 1},
+                "subject": {"tenant": tenant, "model": model},
+                "estimate": estimate or {"requests": 1},
             },
         )
 
@@ -118,6 +122,11 @@ class Stack:
         """What Redis holds pending on a budget key (on its shard)."""
         shard = self.layout.shard(shard_of(tenant) if tenant is not None else shard_of(policy_key))
         return await apending_sum(self.client, shard, policy_key)  # type: ignore[arg-type]
+
+    async def usage(self, policy_key: str, buckets: dict[int, int], bucket_ms: int) -> None:
+        """Write a window not grouped by tenant (on its key's shard) as the worker would."""
+        shard = self.layout.shard(shard_of(policy_key))
+        await self.client.set(window_key(shard, policy_key), encode(buckets, bucket_ms))
 
     def sweeper(self) -> ReserveSweeper:
         return ReserveSweeper(
@@ -273,7 +282,9 @@ async def test_a_crash_between_shards_is_released_by_the_sweeper(stack: Any) -> 
     plans = Planner(await s.store.policies(), None).plans(subject, Usage(requests=1))
     rid = s.store.new_reservation_id(tenant, uuid.uuid4().hex)
     first = pieces.split(s.store, plans[0])[0]
-    result = await pieces._decide_piece(s.store, first, plans[0], "crashed", rid, 0, hold=True)
+    result = await pieces._decide_piece(
+        s.store, first, plans[0], "crashed", rid, 0, hold=True, estimate_output=0
+    )
     assert result.outcome == "allow"
     held_key = first.charges[0].target.key
     on = s.layout.shard(first.shard)
@@ -403,3 +414,160 @@ async def test_a_master_killed_under_load_fails_over_and_never_admits_over(
     assert admitted <= held <= limit
     assert codes["after"][-1] == 429
     assert s.client.get_node_from_key(marks_key(shard)).port != master  # type: ignore[union-attr]
+
+
+def _policy(pid: str, group_by: str, limit: int, unit: str = "requests", **fields: Any) -> Policy:
+    return Policy.model_validate(
+        {"id": pid, "limit": limit, "unit": unit, "window": "1h", "group_by": [group_by],
+         **fields}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["tenant-first", "tenant-last"])
+async def test_cap_across_shards_takes_the_lowest_output_and_holds_it_after(
+    stack: Any, before: bool
+) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1, before=before)[0]
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 10_000, "total_tokens", on_exceed="cap"),
+            _policy("per-model", "model", 1000, "total_tokens", on_exceed="cap"),
+        ]
+    )
+    tenant_key = f"per-tenant|tenant={tenant}"
+    assert (await s.admit(tenant, input_tokens=100, output_tokens=500)).status_code == 200
+    answer = await s.admit(tenant, input_tokens=100, output_tokens=500)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert (body["decision"], body["max_output_tokens"]) == ("cap", 300)  # 1000 - 600 - 100
+    assert s.publisher.events[-1].usage.output_tokens == 300  # type: ignore[attr-defined]
+    assert await s.held(MODEL_KEY) == 1000
+    # The tenant's piece holds 100 + 300 when the model's came first (it set the cap);
+    # decided first, at the whole estimate, it holds 600 until the worker absorbs it.
+    assert await s.held(tenant_key, tenant) == 600 + (600 if before else 400)
+
+
+async def test_downgrade_across_shards_tries_the_alternative_as_a_plan_of_its_own(
+    stack: Any,
+) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 100),
+            _policy(
+                "big", "model", 2, match={"model": "big"}, on_exceed="downgrade",
+                downgrade_to="small",
+            ),
+            _policy("small", "model", 1, match={"model": "small"}),
+        ]
+    )  # fmt: skip
+    decisions = []
+    for _ in range(4):
+        answer = await s.admit(tenant, model="big")
+        body = answer.json()
+        decisions.append((answer.status_code, body["decision"], body.get("model")))
+    assert decisions == [
+        (200, "allow", "big"),
+        (200, "allow", "big"),
+        (200, "downgrade", "small"),
+        (429, "reject", "big"),
+    ]
+    assert await s.held("big|model=big") == 2
+    assert await s.held("small|model=small") == 1
+    # Three admitted; the refused request's plans were released on every shard.
+    assert await s.held(f"per-tenant|tenant={tenant}", tenant) == 3
+    models = [e.subject.model for e in s.publisher.events]  # type: ignore[attr-defined]
+    assert models == ["big", "big", "small"]
+
+
+async def test_route_across_shards_is_the_downgrade_protocol_on_the_pool(stack: Any) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 100),
+            _policy("east", "pool", 1, match={"pool": "east"}, on_exceed="route", route_to="west"),
+        ]
+    )
+    sent = []
+    for _ in range(2):
+        answer = await s.http.post(
+            "/v1/admit",
+            json={
+                "request_id": uuid.uuid4().hex,
+                "subject": {"tenant": tenant, "model": MODEL, "pool": "east"},
+                "estimate": {"requests": 1},
+            },
+        )
+        body = answer.json()
+        sent.append((answer.status_code, body["decision"], body.get("route_to")))
+    assert sent == [(200, "allow", None), (200, "route", "west")]
+    assert await s.held("east|pool=east") == 1
+    assert await s.held(f"per-tenant|tenant={tenant}", tenant) == 2
+
+
+async def test_burst_across_shards_admits_what_the_bucket_holds(stack: Any) -> None:
+    s: Stack = await stack()
+    tenants = _tenants(6)
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 100),
+            _policy("per-model", "model", 1000, burst={"rate": 1, "per": "1h", "capacity": 3}),
+        ]
+    )
+    answers = await asyncio.gather(*(s.admit(t) for t in tenants))
+    assert sorted(a.status_code for a in answers) == [200, 200, 200, 429, 429, 429]
+    refused = next(a for a in answers if a.status_code == 429).json()
+    assert refused["violated"] == ["per-model"]
+    assert await s.held(MODEL_KEY) == 3
+    for tenant, answer in zip(tenants, answers, strict=True):
+        assert await s.held(_tenant_key(tenant), tenant) == int(answer.status_code == 200)
+
+
+async def test_a_released_piece_does_not_give_its_tokens_back(stack: Any) -> None:
+    s: Stack = await stack()
+    # The model's shard first: its piece takes a token, then the tenant's refuses.
+    tenant = _tenants(1, before=False)[0]
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 1),
+            _policy("per-model", "model", 1000, burst={"rate": 1, "per": "1h", "capacity": 5}),
+        ]
+    )
+    assert (await s.admit(tenant)).status_code == 200
+    refused = await s.admit(tenant)
+    assert refused.status_code == 429 and refused.json()["violated"] == ["per-tenant"]
+    assert await s.held(MODEL_KEY) == 1  # the window's hold released ...
+    budgets = (await s.admit("another-" + tenant)).json()["budgets"]
+    burst = next(b for b in budgets if b["policy"] == "per-model")["burst"]
+    # ... the token not: 5 - 1 admitted - 1 taken by the released piece - 1 now.
+    assert (burst["capacity"], burst["remaining"]) == (5, 2)
+
+
+async def test_delay_across_shards_holds_until_the_shared_window_frees(stack: Any) -> None:
+    s: Stack = await stack()
+    tenants = _tenants(4)
+    window_ms, bucket_ms = 30_000, 1000
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 100),
+            Policy.model_validate(
+                {"id": "per-model", "limit": 5, "unit": "requests", "window": "30s",
+                 "bucket": "1s", "group_by": ["model"], "on_exceed": "delay",
+                 "max_delay": "10s"}
+            ),
+        ]
+    )  # fmt: skip
+    now = int(time.time() * 1000)
+    bucket = now - now % bucket_ms + 3000 - window_ms - bucket_ms
+    await s.usage(MODEL_KEY, {bucket: 5}, bucket_ms)
+    fits_at = bucket + window_ms + bucket_ms - 1
+    answers = await asyncio.gather(*(s.admit(tenants[i % 4]) for i in range(20)))
+    admitted = [a for a in answers if a.status_code == 200]
+    assert len(admitted) == 5
+    assert all(a.json()["delayed_ms"] > 0 for a in admitted)
+    assert time.time() * 1000 >= fits_at
+    assert await s.held(MODEL_KEY) == 5
+    assert sum([await s.held(_tenant_key(t), t) for t in tenants]) == 5
