@@ -170,14 +170,7 @@ async def release_piece(
     """Release one piece: its pending entries, then its provisional entry and record."""
     args = release_args(shard_prefix, budget_keys, reservation_id)
     await store.run("release piece", absorb.SCRIPT, args.keys(), args.argv())
-    client = store.client
-    await store._call(
-        "release piece",
-        lambda: client.zrem(provisional_key(shard_prefix), reservation_id),
-    )
-    await store._call(
-        "release piece", lambda: client.delete(piece_key(shard_prefix, reservation_id))
-    )
+    await _forget(store, [shard_prefix], reservation_id)
 
 
 async def _release_all(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> None:
@@ -199,20 +192,26 @@ async def _release_all(store: BudgetStore, reservation_id: str, pieces: Sequence
 
 async def _unlist(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> None:
     """After a seal: the other shards' provisional entries and piece records go (their
-    holds stay until the worker absorbs the reserve); a failure is left to the sweepers."""
-    layout, client = store.layout, store.client
+    holds stay until the worker absorbs the reserve), in one pipeline (a round trip per
+    node); a failure is left to the sweepers."""
+    if not pieces:
+        return
+    with contextlib.suppress(StoreUnavailable):
+        await _forget(store, [store.layout.shard(p.shard) for p in pieces], reservation_id)
 
-    async def one(piece: Piece) -> None:
-        prefix = layout.shard(piece.shard)
-        with contextlib.suppress(StoreUnavailable):
-            await store._call(
-                "unlist piece", lambda: client.zrem(provisional_key(prefix), reservation_id)
-            )
-            await store._call(
-                "unlist piece", lambda: client.delete(piece_key(prefix, reservation_id))
-            )
 
-    await asyncio.gather(*(one(p) for p in pieces))
+async def _forget(store: BudgetStore, shard_prefixes: Sequence[str], reservation_id: str) -> None:
+    """Unlist a reservation's pieces on these shards: provisional entry and piece record."""
+    client = store.client
+
+    async def send() -> object:
+        pipe = client.pipeline(transaction=False)
+        for prefix in shard_prefixes:
+            pipe.zrem(provisional_key(prefix), reservation_id)
+            pipe.delete(piece_key(prefix, reservation_id))
+        return await pipe.execute()
+
+    await store._call("unlist pieces", send)
 
 
 async def _decide_piece(
