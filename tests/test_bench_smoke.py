@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from spendgate.devcluster import LocalCluster
 from tests.fixtures.services import Services
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +112,9 @@ class TestCheckMode:
         assert c.exit_status(True) == 1
         c.MISSED.clear()
 
-    @pytest.mark.parametrize("module", ["admission", "processor", "replay", "memory", "overshoot"])
+    @pytest.mark.parametrize(
+        "module", ["admission", "processor", "replay", "memory", "overshoot", "cluster"]
+    )
     def test_every_benchmark_takes_check(self, module: str) -> None:
         done = subprocess.run(
             [sys.executable, "-m", f"bench.{module}", "--help"],
@@ -235,3 +238,18 @@ class TestBenchSmoke:
         out = _run("bench.replay", services)
         assert "spendgate replay()" in out
         assert "baseline: raw aiokafka consume" in out
+
+    @pytest.mark.cluster
+    def test_cluster(self, services: Services, redis_cluster: LocalCluster) -> None:
+        out = _run("bench.cluster", services, 180.0, "--check")  # exits 1 on a miss
+        rows = _table(out)
+        assert [(r["requests"], r["durability"]) for r in rows] == [
+            ("home shard", "WAIT 1"),
+            ("across shards", "WAIT 1"),
+            ("home shard", "no WAIT"),
+            ("across shards", "no WAIT"),
+        ]
+        # One script call on the home shard; across two shards: the answer's lookup, a
+        # piece per shard, the seal and the unlisting pipeline.
+        assert [r["Redis round trips/admit"] for r in rows] == ["1.00", "5.00", "1.00", "5.00"]
+        assert "the shared key holds exactly them: MET" in out
