@@ -571,3 +571,14 @@ async def test_delay_across_shards_holds_until_the_shared_window_frees(stack: An
     assert time.time() * 1000 >= fits_at
     assert await s.held(MODEL_KEY) == 5
     assert sum([await s.held(_tenant_key(t), t) for t in tenants]) == 5
+
+
+async def test_status_reads_the_marks_of_the_control_shard(stack: Any) -> None:
+    s: Stack = await stack()
+    await s.policies(_policies(5, 5))
+    answer = await s.http.get("/v1/status")
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["decidable"] is True
+    assert body["policies"] == 2
+    assert len(body["partitions"]) == len(TOPOLOGY.all_marks())
