@@ -50,12 +50,15 @@ from spendgate.admission.exceptions import StoreUnavailable
 from spendgate.admission.metrics import CROSS_SHARD
 from spendgate.admission.plans import Charge, Plan, PolicyTerms
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
+from spendgate.admission.scripts import extend as extend_script
 from spendgate.admission.scripts import seal as seal_script
 from spendgate.admission.scripts.admit import AdmitCall, AdmitHeader, AdmitResult, KeyState
 from spendgate.admission.scripts.codes import ON_EXCEED
+from spendgate.admission.scripts.extend import ExtendArgs, ExtendResult
 from spendgate.admission.scripts.seal import SealArgs, SealReply
-from spendgate.schemas.events import Usage
+from spendgate.schemas.events import Subject, Usage
 from spendgate.schemas.redis_keys import (
+    extend_key,
     held_keys,
     marks_key,
     piece_key,
@@ -74,7 +77,7 @@ from spendgate.streams.scripts.absorb import AbsorbArgs, AbsorbKey
 if TYPE_CHECKING:
     from spendgate.admission.store import BudgetStore
 
-__all__ = ["Piece", "admit_across", "merge", "release_args", "seal", "split"]
+__all__ = ["Piece", "admit_across", "extend_across", "merge", "release_args", "seal", "split"]
 
 logger = logging.getLogger(__name__)
 
@@ -428,3 +431,110 @@ async def admit_across(
         "the request outlived its pieces' deadline on another Redis Cluster shard and was "
         "aborted (nothing reserved); retry"
     )
+
+
+async def extend_across(
+    store: BudgetStore,
+    entry: str,
+    reservation_id: str,
+    seq: int,
+    subject: Subject,
+    charges: Sequence[Charge],
+) -> ExtendResult:
+    """``BudgetStore.extend`` for a reservation whose keys span shards.
+
+    The same order as an admit: a piece per shard in ascending order (EXTEND in piece
+    mode, each atomic with its shard's marks, holding under the extend's entry), then the
+    commit point on the home shard (EXTEND in seal mode: the record still open, the merged
+    answer stored, a repeat of ``seq`` replayed). Every piece is decided even after one
+    refuses, so the answer shows every budget; any refusal (or a record found settled or
+    gone at the seal) releases every piece held. An admission process dying between the
+    pieces and the seal leaves its holds to age out of their windows, as an extend whose
+    event was never published does on one Redis: more counted for a while, never less.
+
+    Raises:
+        StoreUnavailable: a shard did not answer (the pieces held are released where
+            possible).
+        Overloaded: this process is saturated.
+    """
+    layout = store.layout
+    home = layout.of_reservation(reservation_id)
+    answer_key = extend_key(home, reservation_id, seq)
+    stored = await store._call("extend answer", lambda: store.client.get(answer_key))
+    if stored is not None:
+        return ExtendResult.decode(["1", *decode_answer(stored)])
+    groups: dict[int, list[int]] = {}
+    for i, charge in enumerate(charges):
+        groups.setdefault(store.shard_of(charge), []).append(i)
+    held: list[tuple[str, list[Charge]]] = []
+    states: list[KeyState | None] = [None] * len(charges)
+    outcomes: set[str] = set()
+    now_ms = 0
+    try:
+        for shard, positions in sorted(groups.items()):
+            prefix = layout.shard(shard)
+            part = [charges[i] for i in positions]
+            call = store.extend_args(prefix, entry, reservation_id, seq, subject, part, "piece")
+            result = ExtendResult.decode(
+                await store.run(
+                    "extend piece", extend_script.SCRIPT, call.keys(), call.argv(), durable=True
+                )
+            )
+            outcomes.add(result.outcome)
+            now_ms = max(now_ms, result.now_ms)
+            if result.outcome == "allow":
+                held.append((prefix, part))
+            for position, state in zip(positions, result.keys, strict=True):
+                states[position] = state
+    except BaseException:
+        await _release_extend(store, entry, held)
+        raise
+    outcome = (
+        "unvouched" if "unvouched" in outcomes else "reject" if "reject" in outcomes else "allow"
+    )
+    keys = tuple(
+        s if outcome == "allow" else dataclasses.replace(s, own=0) for s in states if s is not None
+    )
+    merged = ExtendResult(False, outcome, now_ms, keys)  # type: ignore[arg-type]
+    if outcome != "allow":
+        await _release_extend(store, entry, held)
+        return merged
+    seal_call = ExtendArgs(
+        answer_key=answer_key,
+        record_key=reservation_key(home, reservation_id),
+        marks_key=marks_key(home),
+        entry=entry,
+        answer_ttl_ms=IDEMPOTENCY_TTL_MS,
+        staleness_ms=store.staleness_ms,
+        marks=(),
+        targets=(),
+        mode="seal" + encode_answer(merged.answer_values()),
+    )
+    raw = await store.run(
+        "extend seal", extend_script.SCRIPT, seal_call.keys(), seal_call.argv(), durable=True
+    )
+    sealed = ExtendResult.decode(raw)
+    if not sealed.replayed and sealed.outcome == "allow":
+        return merged
+    # Settled or gone meanwhile: nothing of ours stays. A repeat of this seq that sealed
+    # first (racing us) answers instead; our holds share its entry's name, so releasing
+    # them would take its entry too: they are left to age out (counted longer, never less).
+    if not sealed.replayed:
+        await _release_extend(store, entry, held)
+    return sealed
+
+
+async def _release_extend(
+    store: BudgetStore, entry: str, held: Sequence[tuple[str, Sequence[Charge]]]
+) -> None:
+    """Remove an extend's holds (its pending entry) from every shard that took them."""
+
+    async def one(prefix: str, part: Sequence[Charge]) -> None:
+        args = release_args(prefix, [c.target.key for c in part], entry)
+        try:
+            await store.run("release extend", absorb.SCRIPT, args.keys(), args.argv())
+        except StoreUnavailable as exc:
+            # Left to age out of its windows (counted a while longer, never less).
+            logger.warning("release of extend %s on %s failed: %s", entry, prefix, exc)
+
+    await asyncio.gather(*(one(prefix, part) for prefix, part in held))

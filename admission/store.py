@@ -23,9 +23,9 @@ from spendgate.admission.decide import (
     Plan,
     PolicyTerms,
 )
-from spendgate.admission.exceptions import Overloaded, StoreUnavailable, Unprocessable
+from spendgate.admission.exceptions import Overloaded, StoreUnavailable
 from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
-from spendgate.admission.pieces import admit_across
+from spendgate.admission.pieces import admit_across, extend_across
 from spendgate.admission.replicated import connection_lost, run_replicated
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
 from spendgate.admission.scripts import admit as admit_script
@@ -475,21 +475,37 @@ class BudgetStore:
         Raises:
             StoreUnavailable: Redis did not answer.
             Overloaded: this process is saturated.
-            Unprocessable: on a cluster, a reservation whose budget keys span shards
-                (extending one is not supported yet: it is reported, never half done).
+        On a cluster, a reservation whose keys span shards grows piece by piece
+        (``admission.pieces.extend_across``).
         """
         prefix = self._home_of(reservation_id)
         if prefix is None:
             return ExtendResult(False, "missing", 0, ())
+        if self.layout.cluster and any(self._prefix_of(c) != prefix for c in charges):
+            return await extend_across(self, entry, reservation_id, seq, subject, charges)
+        call = self.extend_args(prefix, entry, reservation_id, seq, subject, charges)
         if self.layout.cluster:
-            home = self.layout.home_shard(subject.tenant)
-            if any(self.shard_of(c) != home for c in charges):
-                raise Unprocessable(
-                    f"reservation {reservation_id!r} holds budgets on more than one Redis "
-                    "Cluster shard (a budget not grouped by tenant); extend does not span "
-                    "shards yet: reserve the whole estimate at admit instead",
-                    "reservation_id",
-                )
+            raw = await self.run(
+                "extend", extend_script.SCRIPT, call.keys(), call.argv(), durable=True
+            )
+        else:
+            raw = await self._call(
+                "extend", lambda: self._extend(keys=call.keys(), args=call.argv())
+            )
+        return ExtendResult.decode(raw)
+
+    def extend_args(
+        self,
+        prefix: str,
+        entry: str,
+        reservation_id: str,
+        seq: int,
+        subject: Subject,
+        charges: Sequence[Charge],
+        mode: str = "",
+    ) -> ExtendArgs:
+        """One EXTEND call on shard ``prefix`` over ``charges`` (``mode``: see
+        ``ExtendArgs``)."""
         marks: dict[str, int] = {}
         targets = []
         for charge in charges:
@@ -509,7 +525,7 @@ class BudgetStore:
                     deps=self._deps(marks, terms, key, subject),
                 )
             )
-        call = ExtendArgs(
+        return ExtendArgs(
             answer_key=extend_key(prefix, reservation_id, seq),
             record_key=reservation_key(prefix, reservation_id),
             marks_key=marks_key(prefix),
@@ -518,16 +534,8 @@ class BudgetStore:
             staleness_ms=self.staleness_ms,
             marks=tuple(marks),
             targets=tuple(targets),
+            mode=mode,
         )
-        if self.layout.cluster:
-            raw = await self.run(
-                "extend", extend_script.SCRIPT, call.keys(), call.argv(), durable=True
-            )
-        else:
-            raw = await self._call(
-                "extend", lambda: self._extend(keys=call.keys(), args=call.argv())
-            )
-        return ExtendResult.decode(raw)
 
     def _prefix_of(self, charge: Charge) -> str:
         """The shard prefix of a charge's budget key (the prefix without a cluster)."""

@@ -13,13 +13,19 @@
 --   record        the reservation record (written by ADMIT: must exist, not be settled)
 --   marks         the applied marks (hash: mark field -> watermark ms)
 --   per target: window, pending, pending v2, queue, reservations (as in ADMIT)
--- ARGV (4 + m, then 1 + 8 per target)
+-- ARGV (4 + m, then 1 + 8 per target, then the mode)
 --   entry         the pending entry's name (the extend event's id)
 --   answer_ttl    ms the stored answer lives
 --   staleness     ms: a mark older than this (Redis clock) is stale
 --   m, then m mark fields
 --   n targets, then per target: limit, window_ms, bucket_ms, boundary, amount,
 --     observe (0/1), failure (codes.FAILURE_MODES), deps (comma-separated mark indexes)
+--   mode          "" an extend on one shard; "piece": one shard's part of an extend whose
+--                 keys span shards (admission.pieces): decided and held as "" does, no
+--                 answer read or stored, no record checked (answer and record keys
+--                 unused); "seal" + the merged answer (schemas/redis_values.py): on the
+--                 home shard, no targets: the record checked, the answer stored as given
+--                 (a stored one is replayed instead)
 -- Reply
 --   replayed (0/1), outcome (codes.EXTEND_OUTCOMES: 0 reject, 1 allow, 5 unvouched, 6 no
 --   such open reservation, 7 already settled), now_ms (the extend's instant), n, then per
@@ -30,13 +36,23 @@
 --! include spendgate.schemas:redis_values
 --! include spendgate.admission.scripts:key_steps
 
-local stored = redis.call('GET', KEYS[1])
-if stored then return answer_decode(stored) end
+local nmarks = tonumber(ARGV[4])
+local mode = ARGV[6 + nmarks + 8 * tonumber(ARGV[5 + nmarks])] or ''
+local piece = mode == 'piece'
+if not piece then
+  local stored = redis.call('GET', KEYS[1])
+  if stored then return answer_decode(stored) end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if not record_subject(KEYS[2]) then return {0, 6, now, 0} end
-if record_settled(KEYS[2]) then return {0, 7, now, 0} end
-local nmarks = tonumber(ARGV[4])
+if not piece then
+  if not record_subject(KEYS[2]) then return {0, 6, now, 0} end
+  if record_settled(KEYS[2]) then return {0, 7, now, 0} end
+end
+if string.sub(mode, 1, 4) == 'seal' then
+  redis.call('SET', KEYS[1], string.sub(mode, 5), 'PX', tonumber(ARGV[2]))
+  return {0, 1, now, 0}
+end
 local names = {}
 for i = 1, nmarks do names[i] = ARGV[4 + i] end
 local mark_state = marks_states(KEYS[3], names, now, tonumber(ARGV[3]))
@@ -79,7 +95,7 @@ if outcome == 1 then
   for j = 1, n do
     key_hold(targets[j], ARGV[1], targets[j].amount, now)
   end
-  redis.call('SET', KEYS[1], answer_encode(answer), 'PX', tonumber(ARGV[2]))
+  if not piece then redis.call('SET', KEYS[1], answer_encode(answer), 'PX', tonumber(ARGV[2])) end
 end
 local out = {0}
 for i = 1, #answer do out[#out + 1] = answer[i] end

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spendgate.admission.scripts.admit import KeyState
-from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, ExtendOutcome
+from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, STATES, ExtendOutcome
 from spendgate.schemas.luascript import load
 
 __all__ = ["SCRIPT", "ExtendArgs", "ExtendResult", "ExtendTarget"]
@@ -49,6 +49,10 @@ class ExtendArgs:
         staleness_ms: a mark older than this is stale.
         marks: the mark fields the targets' ``deps`` refer to.
         targets: every key the reservation holds.
+        mode: ``""`` an extend on one shard; ``"piece"`` one shard's part of an extend
+            spanning shards (nothing read or stored but the holds); ``"seal" + answer``
+            on the home shard, no targets: the record checked, ``answer`` (the merged
+            one, ``redis_values.encode_answer``) stored (``admission.pieces``).
     """
 
     answer_key: str
@@ -59,6 +63,7 @@ class ExtendArgs:
     staleness_ms: int
     marks: tuple[str, ...]
     targets: tuple[ExtendTarget, ...]
+    mode: str = ""
 
     def keys(self) -> list[str]:
         """KEYS, in the script's order."""
@@ -82,6 +87,8 @@ class ExtendArgs:
                 t.failure,
                 t.deps,
             )
+        if self.mode:
+            args.append(self.mode)
         return args
 
 
@@ -96,8 +103,23 @@ class ExtendResult:
     keys: tuple[KeyState, ...]
 
     @classmethod
-    def decode(cls, raw: Sequence[bytes | int]) -> ExtendResult:
+    def decode(cls, raw: Sequence[bytes | int | str]) -> ExtendResult:
         """Decode EXTEND's reply (fresh or a stored answer replayed)."""
         replayed, outcome, now_ms, n, *rest = raw
         states = KeyState.decode_all(rest, int(n))
         return cls(bool(int(replayed)), EXTEND_OUTCOMES[int(outcome)], int(now_ms), states)
+
+    def answer_values(self) -> list[int | str]:
+        """The values EXTEND stores as this answer (its reply without ``replayed``)."""
+        code = {name: c for c, name in EXTEND_OUTCOMES.items()}[self.outcome]
+        values: list[int | str] = [code, self.now_ms, len(self.keys)]
+        for key in self.keys:
+            values += (
+                key.used,
+                key.reserved,
+                key.own,
+                int(key.violated),
+                key.reset_after_ms,
+                STATES.index(key.state),
+            )
+        return values

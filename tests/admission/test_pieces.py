@@ -78,3 +78,13 @@ def test_a_stored_answer_replays_as_the_result_it_was() -> None:
     stored = encode_answer(result.answer_values())
     replayed = AdmitResult.decode(["1", *decode_answer(stored)])
     assert replayed == dataclasses.replace(result, replayed=True)
+
+
+def test_a_stored_extend_answer_replays_as_the_result_it_was() -> None:
+    from spendgate.admission.scripts.extend import ExtendResult
+
+    result = ExtendResult(
+        False, "allow", 1_234, tuple(KeyState(i, 2, 3, False, 9, "stale") for i in range(3))
+    )
+    replayed = ExtendResult.decode(["1", *decode_answer(encode_answer(result.answer_values()))])
+    assert replayed == dataclasses.replace(result, replayed=True)

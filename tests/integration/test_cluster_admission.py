@@ -582,3 +582,48 @@ async def test_status_reads_the_marks_of_the_control_shard(stack: Any) -> None:
     assert body["decidable"] is True
     assert body["policies"] == 2
     assert len(body["partitions"]) == len(TOPOLOGY.all_marks())
+
+
+async def _extend(s: Stack, rid: str, seq: int, **add: int) -> httpx.Response:
+    body = {"reservation_id": rid, "seq": seq, "add": add}
+    return await s.http.post("/v1/extend", json=body)
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["tenant-first", "tenant-last"])
+async def test_an_extend_across_shards_grows_every_budget_or_none(stack: Any, before: bool) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1, before=before)[0]
+    tenant_key = f"per-tenant|tenant={tenant}"
+    await s.policies(
+        [
+            _policy("per-tenant", "tenant", 2000, "total_tokens"),
+            _policy("per-model", "model", 1000, "total_tokens"),
+        ]
+    )
+    admitted = await s.admit(tenant, input_tokens=100, output_tokens=0)
+    assert admitted.status_code == 200, admitted.text
+    rid = admitted.json()["reservation_id"]
+    grown = await _extend(s, rid, 1, output_tokens=200)
+    assert grown.status_code == 200, grown.text
+    assert {b["policy"]: b["reserved"] for b in grown.json()["budgets"]} == {
+        "per-tenant": 300,
+        "per-model": 300,
+    }
+    assert (await s.held(MODEL_KEY), await s.held(tenant_key, tenant)) == (300, 300)
+    # Past the model's limit: refused, and the tenant's piece (held or not) released.
+    refused = await _extend(s, rid, 2, output_tokens=800)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["violated"] == ["per-model"]
+    assert (await s.held(MODEL_KEY), await s.held(tenant_key, tenant)) == (300, 300)
+    # A repeat of an answered seq replays it and grows nothing.
+    again = await _extend(s, rid, 1, output_tokens=200)
+    assert again.status_code == 200 and again.json() == grown.json()
+    assert (await s.held(MODEL_KEY), await s.held(tenant_key, tenant)) == (300, 300)
+    kinds = s.publisher.kinds()
+    assert kinds.count("extend") == 2  # the first and its repeat (the same event id)
+    # Settled: an extend is refused at the seal, and what its pieces held is released.
+    released = await s.http.post("/v1/release", json={"reservation_id": rid})
+    assert released.status_code == 202, released.text
+    late = await _extend(s, rid, 3, output_tokens=10)
+    assert late.status_code == 409, late.text
+    assert (await s.held(MODEL_KEY), await s.held(tenant_key, tenant)) == (300, 300)
