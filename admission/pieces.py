@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spendgate.admission.exceptions import StoreUnavailable
+from spendgate.admission.exceptions import Overloaded, StoreUnavailable
 from spendgate.admission.metrics import CROSS_SHARD
 from spendgate.admission.plans import Charge, Plan, PolicyTerms
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
@@ -176,21 +176,29 @@ async def release_piece(
     await _forget(store, [shard_prefix], reservation_id)
 
 
-async def _release_all(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> None:
-    """Release every piece held, concurrently; a failure is left to the sweepers."""
+async def _release_all(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> bool:
+    """Release every piece held, concurrently; a failure is left to the sweepers.
+
+    Returns:
+        Whether every piece was released now (False: one stays listed until a sweeper
+        releases it, so no other plan may seal under this reservation id meanwhile: the
+        sweeper would then take the record for this plan's and only unlist the piece).
+    """
     layout = store.layout
 
-    async def one(piece: Piece) -> None:
+    async def one(piece: Piece) -> bool:
         keys = [c.target.key for c in piece.charges]
         try:
             await release_piece(store, layout.shard(piece.shard), keys, reservation_id)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, Overloaded) as exc:
             # Listed as provisional still: the shard's sweeper releases it past its deadline.
             logger.warning(
                 "release of piece %s on shard %d deferred: %s", reservation_id, piece.shard, exc
             )
+            return False
+        return True
 
-    await asyncio.gather(*(one(p) for p in pieces))
+    return all(await asyncio.gather(*(one(p) for p in pieces)))
 
 
 async def _unlist(store: BudgetStore, reservation_id: str, pieces: Sequence[Piece]) -> None:
@@ -199,7 +207,8 @@ async def _unlist(store: BudgetStore, reservation_id: str, pieces: Sequence[Piec
     node); a failure is left to the sweepers."""
     if not pieces:
         return
-    with contextlib.suppress(StoreUnavailable):
+    # Never fails the answer: the reservation is sealed whatever happens here.
+    with contextlib.suppress(StoreUnavailable, Overloaded):
         await _forget(store, [store.layout.shard(p.shard) for p in pieces], reservation_id)
 
 
@@ -269,9 +278,10 @@ async def _attempt(
     output_tokens: int,
     *,
     read_only: bool,
-) -> tuple[AdmitResult, list[Piece]]:
-    """Decide one plan piece by piece; returns the merged answer and the pieces still
-    held (all of them when it admits; none after a refusal, which released them)."""
+) -> tuple[AdmitResult, list[Piece], bool]:
+    """Decide one plan piece by piece; returns the merged answer, the pieces still held
+    (all of them when it admits; none after a refusal, which released them) and whether
+    every release succeeded (``_release_all``)."""
     held: list[Piece] = []
     decided: list[tuple[Piece, AdmitResult]] = []
     out = output_tokens
@@ -301,10 +311,11 @@ async def _attempt(
         await _release_all(store, reservation_id, held)
         raise
     merged = merge(plan, plan_index, reservation_id, decided)
+    released = True
     if merged.outcome in ("reject", "unvouched") and held:
-        await _release_all(store, reservation_id, held)
+        released = await _release_all(store, reservation_id, held)
         held = []
-    return merged, held
+    return merged, held, released
 
 
 def _at_output(charge: Charge, output_tokens: int) -> Charge:
@@ -350,6 +361,7 @@ async def seal(
         unpublished_key=unpublished_reserves_key(home),
         tombstone_key=tombstone_key(home, rid),
         provisional_key=provisional_key(home),
+        piece_key=piece_key(home, rid),
         reservation_id=rid,
         answer=encode_answer(result.answer_values()),
         answer_ttl_ms=IDEMPOTENCY_TTL_MS,
@@ -395,7 +407,7 @@ async def admit_across(
     home = layout.shard(layout.home_shard(tenant))
     output_tokens = estimate.output_tokens
     if read_only:
-        result, _ = await _attempt(
+        result, _, _ = await _attempt(
             store, plans[0], 0, request_id, reservation_id, output_tokens, read_only=True
         )
         return result
@@ -404,19 +416,21 @@ async def admit_across(
     if stored is not None:
         return _replayed(stored)
     CROSS_SHARD.inc()
-    result, held = await _attempt(
+    result, held, released = await _attempt(
         store, plans[0], 0, request_id, reservation_id, output_tokens, read_only=False
     )
     plan_index = 0
-    if result.outcome == "reject":
+    if result.outcome == "reject" and released:
         for alt in _alternatives(plans[0], result):
             if alt >= len(plans):
                 continue
-            tried, tried_held = await _attempt(
+            tried, tried_held, released = await _attempt(
                 store, plans[alt], alt, request_id, reservation_id, output_tokens, read_only=False
             )
             if tried.outcome != "reject":
                 result, held, plan_index = tried, tried_held, alt
+                break
+            if not released:
                 break
     if result.outcome in ("reject", "unvouched"):
         return result
@@ -533,7 +547,7 @@ async def _release_extend(
         args = release_args(prefix, [c.target.key for c in part], entry)
         try:
             await store.run("release extend", absorb.SCRIPT, args.keys(), args.argv())
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, Overloaded) as exc:
             # Left to age out of its windows (counted a while longer, never less).
             logger.warning("release of extend %s on %s failed: %s", entry, prefix, exc)
 

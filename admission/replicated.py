@@ -11,9 +11,9 @@ every master). Fewer replicas acknowledging in time is a store failure
 is unreachable, and whatever the step held stays held until it is released, absorbed or
 ages out (never less than the truth).
 
-A redirect (``MOVED``/``ASK``: the slot's master changed in a failover) or a lost
-connection refreshes the client's view of the cluster and is a store failure for this one
-call; the next one goes to the new master.
+A redirect (``MOVED``/``ASK``: the slot's master changed in a failover), ``CLUSTERDOWN``,
+``TRYAGAIN`` or a lost connection refreshes the client's view of the cluster and is a
+store failure for this one call; the next one goes to the new master.
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 
 from spendgate.schemas.luascript import LuaScript
 
@@ -72,11 +78,12 @@ async def run_replicated(
         reply, acked = calls[0].result, calls[1].result
         if isinstance(reply, NoScriptError) and name == "EVALSHA":
             continue
-        if isinstance(reply, ResponseError) and str(reply).startswith(
-            ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
-        ):
+        if isinstance(reply, _NOT_HERE):
+            # redis-py strips the code from the message: told apart by type.
             await _refresh(client)
-            raise RedisConnectionError(f"{node.name} cannot serve the slot now ({reply})")
+            raise RedisConnectionError(
+                f"{node.name} cannot serve the slot now ({type(reply).__name__}: {reply})"
+            )
         if isinstance(reply, BaseException):
             raise reply
         if isinstance(acked, BaseException):
@@ -105,6 +112,8 @@ def connection_lost(exc: BaseException) -> bool:
 
 
 _REDIS_CONNECTION = os.path.join("redis", "asyncio", "connection.py")
+#: A node that no longer (or not yet) serves the slot: redirected, or mid-failover.
+_NOT_HERE = (AskError, ClusterDownError, TryAgainError)
 _refreshing: dict[int, asyncio.Lock] = {}
 
 

@@ -101,6 +101,8 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         grace_s=settings.reserve_grace_s,
         interval_s=settings.reserve_sweep_s,
         layout=store.layout,
+        wait_replicas=store.wait_replicas,
+        wait_ms=store.wait_ms,
     )
     publisher.on_acked = sweeper.acked
     refusals = KafkaRefusals(

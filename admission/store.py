@@ -213,6 +213,8 @@ class BudgetStore:
                 )
                 self._policies = [Policy.model_validate_json(v) for v in raw.values()]
                 self._version = version
+                # A policy edit can move a key to another shard (an exact tenant match).
+                self._shards.clear()
                 topology = await self._call(
                     "topology", lambda: self.client.get(topology_key(self.layout.control))
                 )

@@ -16,10 +16,10 @@ admission process:
 
 On a Redis Cluster each virtual shard has its own unpublished reserves, swept in turn,
 and its own provisional set of pieces (``admission.pieces``): a piece past its deadline
-is resolved against its reservation's home shard, where the tombstone is set first
-(``SET NX``) and the record looked for after; a record found means the reservation was
-sealed (the piece only leaves the list), none means it never will be (the tombstone
-refuses its seal), and the piece is released. Either order of seal and sweep gives
+is resolved against its reservation's home shard in one step (TOMBSTONE, acknowledged by a
+replica like SEAL): a record found means the reservation was sealed (the piece only
+leaves the list), none means it never will be (the tombstone, set in that step, refuses
+its seal), and the piece is released. Either order of seal and sweep gives
 exactly one of the two, whatever the clocks say, so a sweep too early can only abort a
 slow request, never double-count or lose one.
 """
@@ -32,6 +32,8 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -43,12 +45,14 @@ from spendgate.admission.metrics import (
 )
 from spendgate.admission.pieces import release_args
 from spendgate.admission.publisher import UsagePublisher
+from spendgate.admission.replicated import run_replicated
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, reserve_event_from_record
-from spendgate.admission.scripts import claim_unpublished
+from spendgate.admission.scripts import claim_unpublished, tombstone
 from spendgate.admission.scripts.claim_unpublished import ClaimArgs, ClaimReply
+from spendgate.admission.scripts.tombstone import TombstoneArgs
 from spendgate.schemas.events import ReserveEvent, UsageEvent
 from spendgate.schemas.layout import Layout
-from spendgate.schemas.luascript import run_script
+from spendgate.schemas.luascript import LuaScript, run_script
 from spendgate.schemas.redis_keys import (
     piece_key,
     provisional_key,
@@ -93,6 +97,8 @@ class ReserveSweeper:
         interval_s: float = 5.0,
         batch: int = SWEEP_BATCH,
         layout: Layout | None = None,
+        wait_replicas: int = 0,
+        wait_ms: int = 100,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -101,6 +107,9 @@ class ReserveSweeper:
         self.interval_s = interval_s
         self.batch = batch
         self.layout = layout or Layout(prefix)
+        #: On a cluster: replicas that must hold a tombstone before its piece is released.
+        self.wait_replicas = wait_replicas if self.layout.cluster else 0
+        self.wait_ms = wait_ms
         self._acked: deque[str] = deque(maxlen=ACKED_BACKLOG)
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -155,11 +164,19 @@ class ReserveSweeper:
             RedisError: Redis did not answer.
         """
         republished = 0
+        failed: Exception | None = None
         for prefix in self.layout.shards():
-            acked, full = await self._sweep_shard(prefix)
+            try:
+                acked, full = await self._sweep_shard(prefix)
+            except _REDIS_ERRORS as exc:
+                # This shard waits for the next sweep; the others are swept now.
+                failed = exc
+                continue
             republished += acked
             if not full:
                 break
+        if failed is not None:
+            raise failed
         if republished:
             logger.info(
                 "republished %d reserve events unacknowledged for over %.0f s",
@@ -207,14 +224,22 @@ class ReserveSweeper:
             return 0
         now = int(time.time() * 1000) if now_ms is None else now_ms
         resolved = 0
+        failed: Exception | None = None
         for prefix in self.layout.shards():
-            overdue = await self.client.zrangebyscore(
-                provisional_key(prefix), "-inf", now, start=0, num=self.batch
-            )
-            for raw in overdue:
-                rid = raw.decode() if isinstance(raw, bytes) else str(raw)
-                await self._resolve_piece(prefix, rid)
-                resolved += 1
+            # A shard (or a home shard) that does not answer skips its pieces until the
+            # next sweep; the other shards' are still resolved.
+            try:
+                overdue = await self.client.zrangebyscore(
+                    provisional_key(prefix), "-inf", now, start=0, num=self.batch
+                )
+                for raw in overdue:
+                    rid = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    await self._resolve_piece(prefix, rid)
+                    resolved += 1
+            except _REDIS_ERRORS as exc:
+                failed = exc
+        if failed is not None:
+            raise failed
         return resolved
 
     async def _resolve_piece(self, prefix: str, rid: str) -> None:
@@ -226,8 +251,10 @@ class ReserveSweeper:
             home = None
         sealed = False
         if home is not None:
-            await client.set(tombstone_key(home, rid), "1", nx=True, px=IDEMPOTENCY_TTL_MS)
-            sealed = bool(await client.exists(reservation_key(home, rid)))
+            call = TombstoneArgs(
+                reservation_key(home, rid), tombstone_key(home, rid), IDEMPOTENCY_TTL_MS
+            )
+            sealed = bool(int(await self._durable(tombstone.SCRIPT, call.keys(), call.argv())))
         if not sealed:
             held = await client.get(piece_key(prefix, rid))
             if held is not None:
@@ -237,6 +264,17 @@ class ReserveSweeper:
         PIECES_SWEPT.labels(result="sealed" if sealed else "released").inc()
         await client.zrem(provisional_key(prefix), rid)
         await client.delete(piece_key(prefix, rid))
+
+    async def _durable(
+        self, script: LuaScript, keys: Sequence[str], args: Sequence[bytes | str | int]
+    ) -> Any:
+        """Run ``script``, answered once ``wait_replicas`` replicas hold its writes."""
+        if self.wait_replicas > 0:
+            cluster: Any = self.client
+            return await run_replicated(
+                cluster, script, keys, args, replicas=self.wait_replicas, timeout_ms=self.wait_ms
+            )
+        return await run_script(self.client, script, keys, args)
 
     def _room(self) -> int:
         """How many reserves one claim may take: at most half of the publisher's free
@@ -292,9 +330,12 @@ class ReserveSweeper:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sweep()
-                await self.sweep_pieces()
             except _REDIS_ERRORS as exc:
                 logger.warning("sweeping unpublished reserves failed (%s); retrying", exc)
+            try:
+                await self.sweep_pieces()
+            except _REDIS_ERRORS as exc:
+                logger.warning("sweeping abandoned pieces failed (%s); retrying", exc)
 
     async def __aenter__(self) -> ReserveSweeper:
         self._wakeup = asyncio.Event()

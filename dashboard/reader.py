@@ -178,9 +178,11 @@ class BudgetReader:
         for key, (window, pending) in zip(keys, held, strict=True):
             p = policies.get(parse_key(key)[0])
             if p is None or (window is None and not pending):
-                # Its policy was deleted, or its window expired: it leaves the index.
-                shard = self._prefix_of(key, policies)
-                gone.setdefault(shard, []).append(window_key(shard, key))
+                # Its policy was deleted, or its window expired: it leaves the index (a
+                # deleted policy's key, of a shard no longer known: every shard's index).
+                shards = self.layout.shards() if p is None else (self._prefix_of(key, policies),)
+                for shard in shards:
+                    gone.setdefault(shard, []).append(window_key(shard, key))
                 continue
             rows.append(key_row(key, p, window, pending, now_ms))
         for shard, members in gone.items():

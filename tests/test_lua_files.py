@@ -54,6 +54,7 @@ def test_the_scripts_are_all_here() -> None:
         "admission/scripts/extend.lua",
         "admission/scripts/settle.lua",
         "admission/scripts/seal.lua",
+        "admission/scripts/tombstone.lua",
         "admission/scripts/claim_unpublished.lua",
         "streams/scripts/absorb.lua",
         "streams/scripts/heal.lua",

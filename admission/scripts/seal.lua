@@ -14,6 +14,7 @@
 --   unpublished   the unpublished reserves (sorted set: reservation id -> admission ms)
 --   tombstone     the reservation's tombstone (written by a sweeper: aborted)
 --   provisional   this shard's provisional set (its own piece's entry, when it has one)
+--   piece         this shard's piece record of the reservation (when it has one)
 -- ARGV
 --   reservation   the reservation id
 --   answer        the merged answer (schemas/redis_values.py: encode_answer)
@@ -34,5 +35,6 @@ if redis.call('EXISTS', KEYS[4]) == 1 then return {1} end
 record_write(KEYS[2], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10]))
 redis.call('ZADD', KEYS[3], ARGV[7], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('DEL', KEYS[6])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3]))
 return {0}

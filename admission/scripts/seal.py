@@ -19,8 +19,9 @@ class SealArgs:
     """Seal reservation ``reservation_id`` on its home shard.
 
     Attributes:
-        answer_key, record_key, unpublished_key, tombstone_key, provisional_key: the
-            home shard's keys (``schemas.redis_keys``).
+        answer_key, record_key, unpublished_key, tombstone_key, provisional_key,
+            piece_key: the home shard's keys (``schemas.redis_keys``; the last two are its
+            own piece's, when it has one).
         reservation_id: the reservation.
         answer: the merged answer, encoded (``redis_values.encode_answer``).
         answer_ttl_ms: how long the stored answer lives.
@@ -33,6 +34,7 @@ class SealArgs:
     unpublished_key: str
     tombstone_key: str
     provisional_key: str
+    piece_key: str
     reservation_id: str
     answer: str
     answer_ttl_ms: int
@@ -47,6 +49,7 @@ class SealArgs:
             self.unpublished_key,
             self.tombstone_key,
             self.provisional_key,
+            self.piece_key,
         ]
 
     def argv(self) -> list[str | int]:

@@ -208,9 +208,12 @@ async def test_racing_requests_across_shards_admit_exactly_the_shared_limit(stac
         assert await s.held(_tenant_key(tenant), tenant) == mine
     refused = [a.json() for a in answers if a.status_code == 429]
     assert all(r["violated"] == ["per-model"] for r in refused)
-    # Nothing is left provisional: every admitted request was sealed and unlisted.
+    # Nothing is left provisional: every admitted request was sealed and unlisted, every
+    # refused one released, and no piece record stays behind on any shard.
     for shard in s.layout.shards():
         assert await s.client.zcard(provisional_key(shard)) == 0
+    left = [k async for k in s.client.scan_iter(match=f"{s.layout.prefix}*piece:*")]
+    assert left == []
     assert s.publisher.kinds().count("reserve") == 60
 
 
@@ -627,3 +630,60 @@ async def test_an_extend_across_shards_grows_every_budget_or_none(stack: Any, be
     late = await _extend(s, rid, 3, output_tokens=10)
     assert late.status_code == 409, late.text
     assert (await s.held(MODEL_KEY), await s.held(tenant_key, tenant)) == (300, 300)
+
+
+async def test_a_durable_step_sent_to_a_node_that_lost_its_slot_is_a_store_failure(
+    cluster_client: RedisCluster, cluster_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from spendgate.admission.replicated import run_replicated
+    from spendgate.schemas.luascript import LuaScript
+
+    client = cluster_client
+    key = f"{cluster_prefix}{{s3}}probe"
+    owner = client.get_node_from_key(key)
+    assert owner is not None
+    other = next(n for n in client.get_primaries() if n.name != owner.name)
+    # A stale view of the cluster (as after a failover): the step reaches a master that
+    # answers MOVED; it is a store failure (the failure modes answer), never a 500.
+    monkeypatch.setattr(client, "get_node_from_key", lambda *_a, **_k: other)
+    write = LuaScript("probe", "return redis.call('INCR', KEYS[1])")
+    with pytest.raises(RedisConnectionError, match="cannot serve the slot"):
+        await run_replicated(client, write, [key], [], replicas=0, timeout_ms=10)
+    monkeypatch.undo()
+    assert await run_replicated(client, write, [key], [], replicas=1, timeout_ms=1000) == 1
+    await client.delete(key)
+
+
+async def test_a_sweep_resolves_the_other_shards_when_one_fails(
+    stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(_policies(5, 5))
+    subject = Subject(tenant=tenant, model=MODEL)
+    plans = Planner(await s.store.policies(), None).plans(subject, Usage(requests=1))
+    rid = s.store.new_reservation_id(tenant, uuid.uuid4().hex)
+    first = pieces.split(s.store, plans[0])[0]
+    await pieces._decide_piece(
+        s.store, first, plans[0], "crashed", rid, 0, hold=True, estimate_output=0
+    )
+    broken = s.layout.shard((first.shard + 1) % 64)
+    real = s.client.zrangebyscore
+
+    async def failing(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == provisional_key(broken):
+            raise RedisConnectionError("this shard's master is unreachable")
+        return await real(name, *args, **kwargs)
+
+    monkeypatch.setattr(s.client, "zrangebyscore", failing)
+    sweeper = s.sweeper()
+    with pytest.raises(RedisConnectionError):
+        await sweeper.sweep_pieces(now_ms=VOUCHED)
+    # The failing shard did not stop the others: the abandoned piece is released.
+    assert await s.client.zcard(provisional_key(s.layout.shard(first.shard))) == 0
+    key = first.charges[0].target.key
+    assert await s.held(key, tenant if key == _tenant_key(tenant) else None) == 0
