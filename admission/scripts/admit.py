@@ -258,6 +258,17 @@ class KeyState:
     #: With a ``burst``: whole tokens left and ms until the bucket is full again.
     burst: tuple[int, int] | None = None
 
+    def values(self) -> tuple[int, ...]:
+        """This key's entries of a reply's per-key part (what :meth:`decode_all` reads)."""
+        return (
+            self.used,
+            self.reserved,
+            self.own,
+            int(self.violated),
+            self.reset_after_ms,
+            STATES.index(self.state),
+        )
+
     @classmethod
     def decode_all(
         cls,
@@ -348,14 +359,7 @@ class AdmitResult:
         ]
         bursts: list[int] = []
         for i, key in enumerate(self.keys):
-            values += (
-                key.used,
-                key.reserved,
-                key.own,
-                int(key.violated),
-                key.reset_after_ms,
-                STATES.index(key.state),
-            )
+            values += key.values()
             if key.burst is not None:
                 bursts += (i + 1, *key.burst)
         return [*values, len(bursts) // 3, *bursts]

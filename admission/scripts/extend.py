@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spendgate.admission.scripts.admit import KeyState
-from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, STATES, ExtendOutcome
+from spendgate.admission.scripts.codes import EXTEND_OUTCOMES, ExtendOutcome
 from spendgate.schemas.luascript import load
 
 __all__ = ["SCRIPT", "ExtendArgs", "ExtendResult", "ExtendTarget"]
@@ -114,12 +114,5 @@ class ExtendResult:
         code = {name: c for c, name in EXTEND_OUTCOMES.items()}[self.outcome]
         values: list[int | str] = [code, self.now_ms, len(self.keys)]
         for key in self.keys:
-            values += (
-                key.used,
-                key.reserved,
-                key.own,
-                int(key.violated),
-                key.reset_after_ms,
-                STATES.index(key.state),
-            )
+            values += key.values()
         return values

@@ -23,7 +23,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from spendgate.admission import pieces
 from spendgate.admission.app import create_app
-from spendgate.admission.plans import Planner
+from spendgate.admission.plans import Plan, Planner
+from spendgate.admission.scripts.admit import AdmitResult
 from spendgate.admission.server import budget_store, redis_client
 from spendgate.admission.settings import AdmissionSettings
 from spendgate.admission.store import BudgetStore
@@ -279,11 +280,12 @@ async def test_a_repeated_request_id_gets_its_first_answer_and_holds_once(stack:
     assert await s.held(_tenant_key(tenant), tenant) == 2
 
 
-async def test_a_crash_between_shards_is_released_by_the_sweeper(stack: Any) -> None:
-    s: Stack = await stack()
-    tenant = _tenants(1)[0]
-    await s.policies(_policies(5, 5))
-    # The first piece of a request, held as an admission process does before it dies.
+async def _crashed_after_first_piece(
+    s: Stack, tenant: str
+) -> tuple[list[Plan], str, pieces.Piece, AdmitResult]:
+    """Hold the first piece of a request for ``tenant`` and nothing more, as an admission
+    process that died between shards: the plans, the reservation id, the piece, its
+    answer."""
     subject = Subject(tenant=tenant, model=MODEL)
     plans = Planner(await s.store.policies(), None).plans(subject, Usage(requests=1))
     rid = s.store.new_reservation_id(tenant, uuid.uuid4().hex)
@@ -291,6 +293,15 @@ async def test_a_crash_between_shards_is_released_by_the_sweeper(stack: Any) -> 
     result = await pieces._decide_piece(
         s.store, first, plans[0], "crashed", rid, 0, hold=True, estimate_output=0
     )
+    return plans, rid, first, result
+
+
+async def test_a_crash_between_shards_is_released_by_the_sweeper(stack: Any) -> None:
+    s: Stack = await stack()
+    tenant = _tenants(1)[0]
+    await s.policies(_policies(5, 5))
+    # The first piece of a request, held as an admission process does before it dies.
+    plans, rid, first, result = await _crashed_after_first_piece(s, tenant)
     assert result.outcome == "allow"
     held_key = first.charges[0].target.key
     on = s.layout.shard(first.shard)
@@ -667,13 +678,7 @@ async def test_a_sweep_resolves_the_other_shards_when_one_fails(
     s: Stack = await stack()
     tenant = _tenants(1)[0]
     await s.policies(_policies(5, 5))
-    subject = Subject(tenant=tenant, model=MODEL)
-    plans = Planner(await s.store.policies(), None).plans(subject, Usage(requests=1))
-    rid = s.store.new_reservation_id(tenant, uuid.uuid4().hex)
-    first = pieces.split(s.store, plans[0])[0]
-    await pieces._decide_piece(
-        s.store, first, plans[0], "crashed", rid, 0, hold=True, estimate_output=0
-    )
+    _, _, first, _ = await _crashed_after_first_piece(s, tenant)
     broken = s.layout.shard((first.shard + 1) % 64)
     real = s.client.zrangebyscore
 
