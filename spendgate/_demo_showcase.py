@@ -56,6 +56,8 @@ async def showcase(http: httpx.AsyncClient, tally: Tally, clock: Clock, seconds:
     await asyncio.sleep(2)
     burst = await asyncio.gather(*(admit("claude-sonnet-4") for _ in range(6)))
     refused = [a for a in burst if a.status_code == 429]
+    if refused and refused[0].headers.get("Retry-After"):
+        tally.shown.update({"burst", "refusal with Retry-After"})
     say(
         f"burst: 6 sonnet requests at once, {6 - len(refused)} admitted, {len(refused)} refused "
         f"by the token bucket (Retry-After {refused[0].headers.get('Retry-After', '-')}s)"
@@ -66,28 +68,42 @@ async def showcase(http: httpx.AsyncClient, tally: Tally, clock: Clock, seconds:
     for _ in range(3):
         routed = await admit("claude-opus-4", pool="gpu-east")
     body = routed.json()
+    if body.get("decision") == "route" and body.get("route_to") == "gpu-west":
+        tally.shown.add("route")
     say(
         f"route: third request on gpu-east answered {body.get('decision')}"
         f" -> {body.get('route_to')}"
     )
-    await stream_and_overage(http, say)
+    tally.shown.update(await stream_and_overage(http, say))
     # delay: 2 haiku now fill the 30 s window; one more ~22 s later is held until it fits.
     await asyncio.gather(admit("claude-haiku-4"), admit("claude-haiku-4"))
     wait = max(0.0, min(seconds - 12, clock.now() + 22) - clock.now())
     await asyncio.sleep(wait)
     say("delay: a third haiku request arrives; the window is full, it will be held...")
     held = (await admit("claude-haiku-4")).json()
+    if held.get("decision") == "allow" and held.get("delayed_ms", 0) > 0:
+        tally.shown.add("delay")
     say(
         f"delay: answered {held.get('decision')} after {held.get('delayed_ms', 0)} ms"
         + (f" ({held['reason']})" if held.get("reason") else "")
     )
 
 
-async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]) -> None:
-    """A stream stopped by a refused extend, then an overage (policy hooli-stream-output)."""
+async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]) -> set[str]:
+    """A stream stopped by a refused extend, then an overage (policy hooli-stream-output).
 
-    def subject(key: str) -> dict[str, str]:
-        return {"tenant": "hooli", "api_key": key, "model": "claude-opus-4"}
+    Returns:
+        What it showed: ``stream stopped by a refused extend`` and ``overage``.
+    """
+    shown: set[str] = set()
+
+    def subject(key: str) -> dict[str, Any]:
+        return {
+            "tenant": "hooli",
+            "api_key": key,
+            "model": "claude-opus-4",
+            "labels": {"demo": "stream"},
+        }
 
     async def admit(key: str, output_tokens: int) -> httpx.Response:
         return await http.post(
@@ -107,7 +123,7 @@ async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]
     first = await admit("hooli-stream-a", 300)
     if first.status_code != 200:
         say("stream: not admitted (policy hooli-stream-output not applied?)")
-        return
+        return shown
     rid, reserved, used, seq = first.json()["reservation_id"], 300, 0, 0
     refusal: dict[str, Any] = {}
     while used < 10_000:
@@ -125,6 +141,8 @@ async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]
     left = {
         b["policy"]: b["remaining"] for b in refusal.get("budgets", []) if b["policy"] in violated
     }
+    if "hooli-stream-output" in violated:
+        shown.add("stream stopped by a refused extend")
     say(
         f"stream: {seq - 1} extends granted, stopped at {used} output tokens when extend {seq} "
         f"was refused (remaining {left}); committed {used}"
@@ -139,7 +157,10 @@ async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]
         held = next((b["reserved"] for b in budgets if b["policy"] == "hooli-stream-output"), "?")
         if again.status_code == 200:
             await commit(again.json()["reservation_id"], 200)
+        if isinstance(held, int) and held > 200:
+            shown.add("overage")
         say(
             "overage: estimated 200, committed 500: charged in full, an overage alert "
             f"(spendgate alerts tail); cap_next holds the next 200 estimate at {held}"
         )
+    return shown

@@ -11,6 +11,18 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+#: What every demo run must show: a refusal carrying Retry-After, each enforcement action
+#: of the hooli showcase, and alerts (thresholds and the overage) read back from Kafka.
+SHOWCASED = (
+    "refusal with Retry-After",
+    "burst",
+    "route",
+    "stream stopped by a refused extend",
+    "overage",
+    "delay",
+    "alerts",
+)
+
 
 @dataclass
 class KeyView:
@@ -44,6 +56,14 @@ class Tally:
     late: list[tuple[float, str]] = field(default_factory=list)
     #: What the enforcement-action showcase saw (printed again at the end).
     actions: list[str] = field(default_factory=list)
+    #: Which of :data:`SHOWCASED` the run showed (the demo fails on any missing).
+    shown: set[str] = field(default_factory=set)
+    #: Alerts read back from the alerts topic at the end, by kind.
+    alerts: dict[str, int] = field(default_factory=dict)
+
+    def missing(self) -> list[str]:
+        """What the demo promises and this run did not show, in :data:`SHOWCASED` order."""
+        return [name for name in SHOWCASED if name not in self.shown]
 
 
 def screen(tally: Tally, elapsed_s: float) -> Group:

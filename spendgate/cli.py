@@ -564,10 +564,18 @@ def demo(
         ),
     ] = 60.0,
 ) -> None:
-    """Run a short demo workload against a running worker and admission service."""
+    """Run a short demo workload against a running worker and admission service.
+
+    Exits 1 when the run did not show every showcased behaviour (a refusal with
+    Retry-After, burst, route, a stream stopped by a refused extend, overage, delay,
+    alerts): the demo doubles as the main job's end-to-end check.
+    """
     from spendgate.demo import run_demo
 
-    run_demo(base_url=url, seconds=seconds, chart=chart, wait_s=wait)
+    tally = run_demo(base_url=url, seconds=seconds, chart=chart, wait_s=wait)
+    if missing := tally.missing():
+        say("demo failed:", "red", "not shown this run: " + "; ".join(missing))
+        raise typer.Exit(1)
 
 
 def main() -> None:

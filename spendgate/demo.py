@@ -87,6 +87,8 @@ async def _one_request(
     if answer.status_code == 429:
         tally.refused += 1
         wait = "never fits" if data.get("never_fits") else f"{data['retry_after_seconds']}s"
+        if answer.headers.get("Retry-After"):
+            tally.shown.add("refusal with Retry-After")
         for b in data["budgets"]:
             if b["policy"] in data["violated"]:
                 tally.last_retry[b["key"]] = wait
@@ -242,6 +244,28 @@ async def _run(base_url: str, seconds: float, seed: int | None, late: bool) -> T
     return tally
 
 
+async def _read_alerts(tally: Tally, *, timeout_s: float = 20.0) -> None:
+    """Count the alerts on the alerts topic by kind (``SPENDGATE_TOPIC_PREFIX``), waiting
+    up to ``timeout_s`` for the worker to publish the showcase's overage alert."""
+    from spendgate.streams.alert_feed import read_alerts
+
+    bootstrap = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    topic = os.environ.get("SPENDGATE_TOPIC_PREFIX", "budget.") + "alerts"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts: dict[str, int] = {}
+        with contextlib.suppress(Exception):  # a demo without Kafka shows no alerts
+            async for alert in read_alerts(bootstrap, topic, from_beginning=True, follow=False):
+                counts[alert.kind] = counts.get(alert.kind, 0) + 1
+        tally.alerts = counts
+        if "overage" in counts and "threshold" in counts:
+            tally.shown.add("alerts")
+            return
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(1.0)
+
+
 def wait_until_decidable(
     base_url: str, timeout_s: float, *, token: str | None = None, poll_s: float = 0.5
 ) -> dict[str, Any]:
@@ -303,6 +327,8 @@ def run_demo(
             f"{status['policies']} policies"
         )
     tally = asyncio.run(_run(base_url, seconds, seed, late_reports))
+    with console.status("reading the alerts back from Kafka ..."):
+        asyncio.run(_read_alerts(tally))
     console.print(
         f"demo done: {tally.admitted} admitted, {tally.refused} refused, "
         f"{tally.committed} committed, {tally.cancelled} cancelled, "
@@ -310,6 +336,12 @@ def run_demo(
     )
     for line in tally.actions:
         console.print(Text(line))
+    console.print(
+        Text(
+            "alerts on the alerts topic: "
+            + (", ".join(f"{n} {kind}" for kind, n in sorted(tally.alerts.items())) or "none")
+        )
+    )
     if chart is not None and tally.keys:
         written = write_chart(tally, Path(chart))
         console.print(f"chart: {written}")

@@ -49,7 +49,9 @@ def describe(alert: Alert) -> str:
         "exhausted": "exhausted",
         "reservation_expired": f"reservation {alert.reservation_id} expired, charged in full",
         "store_failure": "store unreachable",
-    }[alert.kind]
+        "overage": f"committed {alert.actual} over an estimate of {alert.estimate}",
+        "forecast": f"exhausts in {alert.exhausts_in_seconds}s at its recent burn rate",
+    }.get(alert.kind, "")
     share = alert.used / alert.limit
     return (
         f"{alert.at:%Y-%m-%d %H:%M:%S}Z  {alert.kind:<19} {alert.key}  {what}  "

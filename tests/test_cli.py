@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from spendgate.cli import app
 from tests.fixtures.key_ids import key_id
+from tests.fixtures.services import Services
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,9 +59,12 @@ class TestExports:
             assert hasattr(module, name), name
 
 
-def _run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """The console script's entry point in a child process (its own exit code and stderr)."""
-    env = {**os.environ, "COLUMNS": "80", "SPENDGATE_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+def _run_cli(
+    *args: str, tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The console script's entry point in a child process (its own exit code and stderr);
+    without ``env`` overrides Kafka is an address that refuses."""
+    env = {**os.environ, "COLUMNS": "80", "SPENDGATE_KAFKA_BOOTSTRAP": "127.0.0.1:1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", "from spendgate.cli import main; main()", *args],
         capture_output=True,
@@ -231,9 +235,70 @@ class TestSetup:
         assert "bash scripts/test" in tail
 
 
-class TestExamples:
-    @pytest.mark.parametrize("name", ["policies.yaml", "demo-policies.yaml"])
-    def test_every_example_policy_file_applies(self, name: str) -> None:
-        from spendgate.streams.policy_admin import load_policies
+EXAMPLES = sorted(
+    p for p in (ROOT / "examples").iterdir() if p.suffix in {".yaml", ".yml", ".json"}
+)
 
-        assert load_policies(ROOT / "examples" / name, key_ids=None)
+
+class TestExamples:
+    """Every example file goes through ``spendgate policy apply`` as a user runs it: the
+    CLI in a child process, with the deployment's key-id settings (the suite's secret)."""
+
+    def test_the_examples_are_found(self) -> None:
+        assert {p.name for p in EXAMPLES} >= {"policies.yaml", "demo-policies.yaml"}
+
+    @pytest.mark.integration
+    @pytest.mark.parametrize("file", EXAMPLES, ids=lambda p: p.name)
+    def test_every_example_policy_file_applies_through_the_cli(
+        self, file: Path, services: Services, topic_prefix: str, tmp_path: Path
+    ) -> None:
+        env = {
+            "SPENDGATE_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
+            "SPENDGATE_TOPIC_PREFIX": topic_prefix,
+        }
+        applied = _run_cli("policy", "apply", str(file), tmp_path=tmp_path, env=env)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        listed = _run_cli("policy", "list", tmp_path=tmp_path, env={**env, "COLUMNS": "300"})
+        assert listed.returncode == 0, listed.stderr
+        # The CLI reports on stderr (stdout stays for data).
+        said = applied.stderr.splitlines()
+        ids = [line.split()[1] for line in said if line.startswith("applied ")]
+        assert ids, applied.stderr
+        for policy_id in ids:
+            assert policy_id in listed.stdout, listed.stdout
+
+    def test_a_glob_on_a_secret_field_is_refused_by_the_cli(self, tmp_path: Path) -> None:
+        # What broke the demo once: the check runs before anything is published.
+        file = tmp_path / "glob.yaml"
+        file.write_text(
+            "- {id: streams, match: {api_key: 'sk-*'}, unit: requests, limit: 5, window: 1m}\n"
+        )
+        result = _run_cli("policy", "apply", str(file), tmp_path=tmp_path)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "field match.api_key" in result.stderr
+        assert "not a glob" in result.stderr
+
+
+class TestDemoShowsEverything:
+    """The demo is the main job's end-to-end check: it exits 1 when a showcased behaviour
+    did not happen (the README's first command then fails, and so does CI)."""
+
+    def test_a_run_that_showed_everything_misses_nothing(self) -> None:
+        from spendgate._demo_view import SHOWCASED, Tally
+
+        assert Tally(shown=set(SHOWCASED)).missing() == []
+        assert Tally(shown=set(SHOWCASED) - {"delay"}).missing() == ["delay"]
+
+    def test_the_command_fails_naming_what_was_not_shown(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from spendgate import demo
+        from spendgate._demo_view import SHOWCASED, Tally
+
+        shown = set(SHOWCASED) - {"overage", "alerts"}
+        monkeypatch.setattr(demo, "run_demo", lambda **_: Tally(shown=shown))
+        result = CliRunner().invoke(app, ["demo", "--wait", "0"], terminal_width=200)
+        assert result.exit_code == 1, result.output
+        assert "not shown this run: overage; alerts" in result.output
+        monkeypatch.setattr(demo, "run_demo", lambda **_: Tally(shown=set(SHOWCASED)))
+        assert CliRunner().invoke(app, ["demo", "--wait", "0"]).exit_code == 0

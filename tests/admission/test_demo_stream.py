@@ -21,7 +21,8 @@ async def test_the_stream_stops_at_the_limit_and_commits_what_it_used(
     adm = await make_admission()
     await adm.policies(*load_policies(POLICIES, key_ids=None))
     lines: list[str] = []
-    await stream_and_overage(adm.http, lines.append)
+    shown = await stream_and_overage(adm.http, lines.append)
+    assert shown == {"stream stopped by a refused extend", "overage"}
     assert lines[0] == (
         "stream: 4 extends granted, stopped at 1500 output tokens when extend 5 was refused "
         "(remaining {'hooli-stream-output': 0}); committed 1500"
