@@ -18,7 +18,9 @@ import httpx
 import openai
 import pytest
 
+from spendgate.schemas.events import ReleaseEvent, ReserveEvent, UsageEvent, parse_event
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.kafka_io import read_records
 from tests.fixtures.litellm_stack import MASTER_KEY, OUTPUT_ALLOWANCE, LiteLLMStack
 from tests.fixtures.openai_stub import PROMPT_TOKENS
 
@@ -77,6 +79,25 @@ async def chat(
         extra_body={"metadata": {"tenant": tenant}},
         **extra,
     )
+
+
+async def usage_events(
+    stack: LiteLLMStack,
+    tenant: str,
+    until: Callable[[list[UsageEvent]], bool],
+    timeout_s: float = 30.0,
+) -> list[UsageEvent]:
+    """The usage topic's events of ``tenant`` (in order: one subject, one partition) once
+    ``until`` holds of them, or whatever is there after ``timeout_s`` (the caller asserts)."""
+    s = stack.worker_settings
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = await read_records(s.kafka_bootstrap, s.topic("usage"))
+        events = [parse_event(r.value) for r in records if r.value is not None]
+        mine = [e for e in events if e.subject.tenant == tenant]
+        if until(mine) or time.monotonic() > deadline:
+            return mine
+        await asyncio.sleep(0.2)
 
 
 def settled(
@@ -252,25 +273,24 @@ class TestStreams:
         output = policy(unit="output_tokens", limit=100_000)
         await litellm_stack.apply(requests, output)
         client, _ = sdk()
-        stream = await chat(client, tenant, "slow tokens=1000", max_tokens=1000, stream=True)
+        before = len(litellm_stack.stub.served)
+        # The provider sends 150 of its 1000 tokens (past the first block of 100, so the
+        # reservation was extended to 200) and then holds the stream open, still generating.
+        stream = await chat(client, tenant, "tokens=1000 stall=150", max_tokens=1000, stream=True)
         read = 0
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                read += 1
-            if read == 20:
-                break
-        await stream.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            budgets = litellm_stack.budgets(tenant)
-            if budgets[requests.id]["reserved"] == 0 and budgets[requests.id]["used"] == 1:
-                break
-            await asyncio.sleep(0.2)
-        budgets = litellm_stack.budgets(tenant)
-        # Committed (the request counts), not released; at least what the client read.
-        assert budgets[requests.id]["used"] == 1 and budgets[requests.id]["reserved"] == 0
-        assert 20 <= budgets[output.id]["used"] < 1000
-        assert budgets[output.id]["reserved"] == 0
+        async with asyncio.timeout(30):
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    read += 1
+                if read == 150:
+                    break
+        await stream.close()  # the client hangs up while the provider's stream is open
+        [served] = litellm_stack.stub.served[before:]
+        assert served.stream and served.completion_tokens == 1000
+        assert served.chunks_sent == read == 150
+        # Committed (the request counts), not released: exactly the tokens the provider
+        # streamed before the client went away (neither the 200 reserved nor the 1000).
+        settled(litellm_stack, tenant, {requests.id: 1, output.id: served.chunks_sent})
 
 
 class TestFailures:
@@ -280,10 +300,21 @@ class TestFailures:
         requests = policy(unit="requests", limit=100)
         await litellm_stack.apply(requests)
         client, _ = sdk()
+        before = len(litellm_stack.stub.served)
         with pytest.raises(openai.InternalServerError):
             await chat(client, tenant, "fail")
-        assert litellm_stack.stub.served[-1].status == 500
+        assert [s.status for s in litellm_stack.stub.served[before:]] == [500]
         settled(litellm_stack, tenant, {requests.id: 0})
+        # Admitted (a reservation was made and published) and then released, not
+        # committed and not left to expire.
+        events = await usage_events(
+            litellm_stack, tenant, lambda es: any(e.kind != "reserve" for e in es)
+        )
+        assert [e.kind for e in events] == ["reserve", "release"]
+        reserve, release = events
+        assert isinstance(reserve, ReserveEvent) and isinstance(release, ReleaseEvent)
+        assert reserve.usage.requests == 1
+        assert release.reservation_id == reserve.reservation_id
 
     async def test_an_sdk_retry_is_counted_once(
         self, litellm_stack: LiteLLMStack, sdk: Sdk, tenant: str, policy: Callable[..., Any]
