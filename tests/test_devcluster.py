@@ -52,8 +52,20 @@ def test_the_cluster_forms_serves_and_fails_over(own_cluster: LocalCluster) -> N
         assert script(keys=["t:{s1}a", "t:{s1}b"]) == 3
         with pytest.raises(RedisClusterException, match="same key slot"):
             script(keys=["t:{s1}a", "t:{s2}b"])
-        # kill -9 the master of {s1}: its replica takes over with the write.
+        # One more write on a connection of its own to the master of {s1}, and WAIT there
+        # until a replica has acknowledged it (replication is asynchronous: without the
+        # acknowledgement a kill can beat the write to the replica). WAIT covers this
+        # connection's writes; the script's, earlier in the master's replication stream,
+        # are covered with them.
         master = client.get_node_from_key("t:{s1}a").port
+        primary = redis.Redis(port=master, single_connection_client=True, socket_timeout=30)
+        try:
+            assert primary.incr("t:{s1}a") == 3
+            acked = primary.wait(1, 20_000)
+        finally:
+            primary.close()
+        assert acked >= 1, f"no replica acknowledged the write within 20 s ({acked})"
+        # kill -9 the master of {s1}: its replica takes over with the acknowledged writes.
         pid = nodes.pid(master)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -65,7 +77,8 @@ def test_the_cluster_forms_serves_and_fails_over(own_cluster: LocalCluster) -> N
             except (redis.RedisError, OSError):
                 assert time.monotonic() < deadline, "no failover in 30 s"
                 time.sleep(0.3)
-        assert value == b"2"
+        assert value == b"3"
+        assert client.get("t:{s1}b") == b"1"
         assert client.get_node_from_key("t:{s1}a").port != master
         assert not nodes.healthy()
         # The killed node rejoins as a replica of its old slots' new master.

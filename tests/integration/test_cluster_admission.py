@@ -124,6 +124,15 @@ class Stack:
         shard = self.layout.shard(shard_of(tenant) if tenant is not None else shard_of(policy_key))
         return await apending_sum(self.client, shard, policy_key)  # type: ignore[arg-type]
 
+    async def redis_ms(self, policy_key: str) -> int:
+        """The Redis clock (TIME, in ms) of the node holding ``policy_key``'s window (not
+        grouped by tenant): the clock the scripts deciding on that key read."""
+        node = self.client.get_node_from_key(
+            window_key(self.layout.shard(shard_of(policy_key)), policy_key)
+        )
+        seconds, micros = await self.client.time(target_nodes=node)
+        return seconds * 1000 + micros // 1000
+
     async def usage(self, policy_key: str, buckets: dict[int, int], bucket_ms: int) -> None:
         """Write a window not grouped by tenant (on its key's shard) as the worker would."""
         shard = self.layout.shard(shard_of(policy_key))
@@ -577,15 +586,26 @@ async def test_delay_across_shards_holds_until_the_shared_window_frees(stack: An
             ),
         ]
     )  # fmt: skip
-    now = int(time.time() * 1000)
+    # The shared window full with a bucket that leaves it in about 3 s by the clock the
+    # admit script decides it by: the Redis clock (TIME) of the node holding it.
+    now = await s.redis_ms(MODEL_KEY)
     bucket = now - now % bucket_ms + 3000 - window_ms - bucket_ms
     await s.usage(MODEL_KEY, {bucket: 5}, bucket_ms)
+    # The first instant the bucket no longer counts (``include``: the boundary bucket counts
+    # while it overlaps the window by a millisecond or more).
     fits_at = bucket + window_ms + bucket_ms - 1
     answers = await asyncio.gather(*(s.admit(tenants[i % 4]) for i in range(20)))
     admitted = [a for a in answers if a.status_code == 200]
     assert len(admitted) == 5
     assert all(a.json()["delayed_ms"] > 0 for a in admitted)
-    assert time.time() * 1000 >= fits_at
+    # Held until the window freed, on that node's clock: each admitted request's admission
+    # instant (the scripts' TIME, carried by its reserve event) is not before it ...
+    reserves = {e.reservation_id: e for e in s.publisher.events if e.kind == "reserve"}
+    assert set(reserves) == {a.json()["reservation_id"] for a in admitted}
+    admitted_at = [round(e.occurred_at.timestamp() * 1000) for e in reserves.values()]
+    assert min(admitted_at) >= fits_at, (admitted_at, fits_at)
+    # ... and nothing was answered before it.
+    assert await s.redis_ms(MODEL_KEY) >= fits_at
     assert await s.held(MODEL_KEY) == 5
     assert sum([await s.held(_tenant_key(t), t) for t in tenants]) == 5
 

@@ -19,7 +19,13 @@ import redis
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 
-from spendgate.schemas.redis_keys import mark_owners_key, mark_progress_key, marks_key, topology_key
+from spendgate.schemas.redis_keys import (
+    mark_owners_key,
+    mark_progress_key,
+    marks_key,
+    topology_key,
+    window_key,
+)
 from spendgate.schemas.shards import Topology, partition_for
 from spendgate.streams.kafka_util import assign, partitions, stop
 from spendgate.streams.marks import Claim
@@ -33,6 +39,18 @@ from tests.fixtures.pipeline import ApplyPolicies, all_marked
 pytestmark = pytest.mark.integration
 
 TENANTS = [f"t{i}" for i in range(12)]
+#: Every key matching ARGV[1] deleted in one script (atomic: no command runs between the
+#: SCAN that finds them and the DEL); replies with the keys deleted.
+_FLUSH = """
+local gone, cursor = {}, '0'
+repeat
+  local reply = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
+  cursor = reply[1]
+  for _, k in ipairs(reply[2]) do gone[#gone + 1] = k end
+until cursor == '0'
+for i = 1, #gone, 1000 do redis.call('DEL', unpack(gone, i, math.min(i + 999, #gone))) end
+return gone
+"""
 
 
 async def _placed(bootstrap: str, topic: str) -> list[tuple[int, bytes]]:
@@ -124,8 +142,12 @@ class TestMarks:
 
         # Idle and caught up: every mark is the present, refreshed every 0.5 s.
         await eventually(marks_fresh, what="marks at the present")
-        for k in redis_sync.scan_iter(match=f"{prefix}*"):
-            redis_sync.delete(k)
+        # A flush of this test's keys, at one instant: one script collects and deletes
+        # them all, so the worker (writing marks every 0.5 s) never sees a half-flushed
+        # Redis (marks gone but its presence left, or the reverse).
+        gone = {k.decode() for k in redis_sync.eval(_FLUSH, 0, f"{prefix}*")}
+        assert {window_key(prefix, key), marks_key(prefix)} <= gone, gone
+        assert any(k.startswith(f"{prefix}worker:") for k in gone), gone  # its presence
         flushed = time.monotonic()
         # The marks come back only with the window they vouch for.
         while not all_marked(redis_sync, prefix):
