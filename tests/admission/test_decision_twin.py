@@ -10,13 +10,23 @@ violated, reset, state and burst figures. The cases cover several plans (alterna
 shared keys), cap, observe, burst, every boundary, stale and missing marks under each
 failure mode, pending reservations, never-fits and read-only evaluations; a coverage check
 at the end fails the test when the generator stopped reaching one of them.
+
+Marks are drawn by age: at the staleness bound and 1 ms either side of it (a mark exactly
+``staleness`` old is still vouched for, 1 ms older is stale), far on both sides, ahead of
+the clock, and missing. The script's clock (Redis TIME) is not the test's, so a mark's
+value is its age taken from the instant the script is expected to run (the test's clock
+plus the lag measured on the previous cases). The twin classifies the marks itself, with
+``schemas.decision.marks_states`` and ``key_state``, at the instant the script reported;
+the coverage check requires that the three ages at the bound were really reached (by the
+script's clock) in a mark that decides the state of a key the script reported.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from redis.client import Pipeline
@@ -30,7 +40,7 @@ from spendgate.admission.scripts.admit import (
 )
 from spendgate.admission.scripts.codes import FAILURE_MODES
 from spendgate.schemas.burst import BurstSpec, BurstState, encode_state
-from spendgate.schemas.decision import KeyInput, PlanInput, decide
+from spendgate.schemas.decision import KeyInput, PlanInput, decide, key_state, marks_states
 from spendgate.schemas.window_codec import encode, read
 from spendgate.schemas.windows import BOUNDARIES, WindowSpec, rebucket
 from tests.fixtures.embedded_lua import LuaServer
@@ -39,6 +49,21 @@ from tests.fixtures.seeds import derive
 SEED = derive("test_decision_twin")
 CASES = 300
 STALENESS_MS = 60_000
+#: Mark ages at the staleness bound: 1 ms younger (vouched), exactly at it (vouched: only a
+#: mark *older* than the bound is stale), 1 ms older (stale).
+AT_BOUND = (STALENESS_MS - 1, STALENESS_MS, STALENESS_MS + 1)
+#: Mark ages far from it: ahead of the script's clock, fresh, 1 s old, 10 bounds old; and
+#: missing (None).
+MARK_AGES: tuple[int | None, ...] = (
+    *AT_BOUND,
+    *AT_BOUND,
+    -5_000,
+    0,
+    1_000,
+    10 * STALENESS_MS,
+    None,
+    None,
+)
 _ON_EXCEED_CODE = {"reject": 0, "cap": 1, "alternative": 2}
 
 
@@ -61,9 +86,12 @@ class Target:
 @dataclass
 class Case:
     plans: list[list[Target]]
-    marks: list[int | None]
+    #: Each mark's age at the script's expected instant (None: missing).
+    ages: list[int | None]
     est_out: int
     read_only: bool
+    #: The marks' values, fixed just before the case is seeded (:func:`_place_marks`).
+    marks: list[int | None] = field(default_factory=list)
 
 
 def _buckets(rng: random.Random, spec: WindowSpec, now: int, limit: int) -> dict[int, int]:
@@ -147,9 +175,7 @@ def _key(
 def random_case(rng: random.Random, index: int, now: int) -> Case:
     """One request's plans and state, around ``now``."""
     nmarks = rng.randint(0, 3)
-    marks: list[int | None] = [
-        rng.choice([now, now - 1000, now - 10 * STALENESS_MS, None]) for _ in range(nmarks)
-    ]
+    ages = [rng.choice(MARK_AGES) for _ in range(nmarks)]
     est_out = rng.randint(1, 400)
     nplans = rng.choice([1, 1, 2, 3])
     plans: list[list[Target]] = []
@@ -179,7 +205,12 @@ def random_case(rng: random.Random, index: int, now: int) -> Case:
             name = f"{index}:{p}:{j}"
             targets.append(Target(key, name, version, stored_ms, p1, p2, deps, absorbed))
         plans.append(targets)
-    return Case(plans, marks, est_out, rng.random() < 0.1)
+    return Case(plans, ages, est_out, rng.random() < 0.1)
+
+
+def _place_marks(case: Case, expected_now: int) -> None:
+    """The marks' values: each mark its age before the instant the script should run."""
+    case.marks = [None if age is None else expected_now - age for age in case.ages]
 
 
 def _fields(key: KeyInput) -> dict[str, object]:
@@ -269,11 +300,7 @@ def _call(prefix: str, index: int, case: Case) -> tuple[list[str], list[int | st
 
 def _twin_plans(case: Case, now: int) -> list[PlanInput]:
     """The twin's inputs: the state the script reads, as values at the script's instant."""
-    states = [
-        "missing" if m is None else "stale" if m < now - STALENESS_MS else "vouched"
-        for m in case.marks
-    ]
-    rank = {"vouched": 0, "stale": 1, "missing": 2}
+    states = marks_states(case.marks, now, STALENESS_MS)
     plans = []
     for targets in case.plans:
         keys = []
@@ -284,7 +311,7 @@ def _twin_plans(case: Case, now: int) -> list[PlanInput]:
             for part in (t.pending_v1, t.pending_v2):
                 for s, a in part.items():
                     pending[s] = pending.get(s, 0) + a
-            state = max((states[d] for d in t.deps), key=rank.__getitem__, default="vouched")
+            state = key_state(t.deps, states)
             keys.append(
                 KeyInput(
                     **{**_fields(t.key), "absorbed": window, "pending": pending, "state": state}
@@ -309,6 +336,24 @@ def _covered(case: Case, result: AdmitResult) -> set[str]:
         seen.add("plans")
     if case.read_only:
         seen.add("read_only")
+    seen |= _bound_probes(case, result.now_ms, case.plans[result.plan])
+    return seen
+
+
+def _bound_probes(case: Case, now: int, reported: list[Target]) -> set[str]:
+    """The ages at the staleness bound that the script really met (its clock, ``now``) in
+    a mark that decides the state of a key it reported: every other mark that key depends
+    on is vouched for, so the mark's own state is the key's."""
+    states = marks_states(case.marks, now, STALENESS_MS)
+    seen = set()
+    for t in reported:
+        for d in t.deps:
+            mark = case.marks[d]
+            if mark is None or any(states[o] != "vouched" for o in t.deps if o != d):
+                continue
+            off = now - mark - STALENESS_MS
+            if -1 <= off <= 1:
+                seen.add(f"mark_age:bound{off:+d}ms" if off else "mark_age:bound")
     return seen
 
 
@@ -318,15 +363,20 @@ class TestDecisionTwin:
         script = lua_server.script(SCRIPT.source)
         client = lua_server.client
         coverage: Counter[str] = Counter()
+        # ms from the test's clock before seeding to the script's reported instant.
+        lags: deque[int] = deque([1], maxlen=15)
         for index in range(CASES):
             prefix = f"{lua_server.prefix}dt{index}:"
             now = int(time.time() * 1000)
             case = random_case(rng, index, now)
+            before = int(time.time() * 1000)
+            _place_marks(case, before + int(statistics.median_low(lags)))
             pipe = client.pipeline(transaction=False)
             _seed(pipe, prefix, case)
             pipe.execute()
             keys, args = _call(prefix, index, case)
             result = AdmitResult.decode(script(keys=keys, args=args))
+            lags.append(result.now_ms - before)
             twin = decide(
                 _twin_plans(case, result.now_ms),
                 result.now_ms,
@@ -355,7 +405,7 @@ class TestDecisionTwin:
                     for k in result.keys
                 ],
             )
-            assert got == want, (SEED, index, case)
+            assert got == want, (SEED, index, result.now_ms, case)
             coverage.update(_covered(case, result))
         needed = {
             "reject",
@@ -371,6 +421,9 @@ class TestDecisionTwin:
             "read_only",
             "state:stale",
             "state:missing",
+            "mark_age:bound-1ms",
+            "mark_age:bound",
+            "mark_age:bound+1ms",
             "failure:open",
             "failure:closed",
             "failure:degraded",
