@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import core as hypothesis_core
 
 from tests.fixtures.key_ids import TEST_SECRET
-from tests.fixtures.seeds import RUN_SEED, reproduce_hint
+from tests.fixtures.seeds import RUN_SEED, SEED_ENV, reproduce_hint
 
 pytest_plugins = [
     "tests.fixtures.services",
@@ -39,6 +39,11 @@ pytest_plugins = [
 os.umask(0o077)
 # One subject secret for every service the suite starts (tests.fixtures.key_ids).
 os.environ["SPENDGATE_SUBJECT_SECRET"] = TEST_SECRET
+
+# One seed for the whole run: pytest-xdist's workers (scripts/test runs two) start after
+# this module is imported in the controller and inherit its environment, so every worker
+# draws from the seed the header prints.
+os.environ[SEED_ENV] = str(RUN_SEED)
 
 IN_CI = os.environ.get("CI") == "true"
 #: Examples per property: 2,000 in CI, fewer locally.
@@ -94,3 +99,16 @@ def tail(path: Path, lines: int = 60) -> str:
     except OSError as e:
         return f"(unreadable: {e})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (scripts/test), keep each test file on one worker (its
+    module fixtures start once) and every test on the shared Redis Cluster on one worker
+    (they kill and heal its nodes, and its session fixture starts it once)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        cluster = item.get_closest_marker("cluster") is not None
+        group = "redis-cluster" if cluster else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
