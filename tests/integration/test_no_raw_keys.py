@@ -12,18 +12,28 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
 
 from spendgate.streams.policy_admin import publish_policies
 from spendgate.streams.settings import WorkerSettings
+from tests.fixtures.consumption import wait_consumed
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import eventually, pending_sum, produce, read_records, window_sum
+from tests.fixtures.kafka_io import (
+    eventually,
+    pending_sum,
+    produce,
+    read_all,
+    read_records,
+    window_sum,
+)
 from tests.fixtures.key_ids import key_id
 from tests.fixtures.pipeline import ApplyPolicies, Workers, settings_env
 
@@ -74,6 +84,26 @@ async def topic_dump(bootstrap: str, prefix: str) -> dict[str, list[bytes]]:
     return out
 
 
+async def _wait_refusals(
+    bootstrap: str, topic: str, wanted: set[str], timeout_s: float = 30.0
+) -> None:
+    """Wait until ``topic`` holds a refusal of every request id in ``wanted``."""
+    assert wanted, "no request was refused"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = [orjson.loads(v) for v in await read_all(bootstrap, topic)]
+        missing = wanted - {str(v.get("request_id")) for v in values}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            gaps = [v for v in values if v.get("kind") == "gap"]
+            raise AssertionError(
+                f"{len(missing)} of {len(wanted)} refusals not on {topic} after "
+                f"{timeout_s}s (e.g. {sorted(missing)[:5]}); gap records: {gaps}"
+            )
+        await asyncio.sleep(0.2)
+
+
 def worker_logs(folder: Path) -> list[bytes]:
     return [p.read_bytes() for p in folder.glob("worker-*.log")]
 
@@ -101,6 +131,7 @@ class TestNoRawKeyAtRest:
         only_a = policy_factory(limit=300, unit="input_tokens", match={"api_key": raw["a"]})
         await apply_policies(per_key, only_a)
         violated: dict[str, set[str]] = {"a": set(), "b": set()}
+        refused: set[str] = set()  # request ids answered 429
         for step in range(12):
             for name, value in raw.items():
                 answer = await admission_client.post(
@@ -116,6 +147,7 @@ class TestNoRawKeyAtRest:
                 assert raw["a"] not in answer.text and raw["b"] not in answer.text
                 if answer.status_code == 429:
                     violated[name].update(body["violated"])
+                    refused.add(f"{name}-{step}-{tag}")
                     continue
                 reservation = body["reservation_id"]
                 if step % 3 == 0:
@@ -151,7 +183,19 @@ class TestNoRawKeyAtRest:
             key = f"{per_key.id}|tenant=t1|api_key={key_id(value)}"
             await eventually(lambda k=key: pending_sum(redis_sync, prefix, k) == 0, 60.0)
             assert window_sum(redis_sync, prefix, key) > 0
-        await asyncio.sleep(1.0)  # the refusals' linger
+        # Everything written before the scan: every refusal admission answered (sent in the
+        # background after a linger) on the refusals topic, and the worker's group at the end
+        # of the topics it reads (a record's alerts, dead letters and changelog writes are
+        # acked before its offset is committed).
+        await _wait_refusals(
+            worker_settings.kafka_bootstrap, worker_settings.topic("refusals"), refused
+        )
+        await wait_consumed(
+            worker_settings.kafka_bootstrap,
+            worker_settings.app_id,
+            worker_settings.topic("usage"),
+            timeout_s=60.0,
+        )
 
         stored = redis_dump(redis_sync, prefix)
         topics = await topic_dump(worker_settings.kafka_bootstrap, worker_settings.topic_prefix)
