@@ -12,12 +12,16 @@ changed.
 
 The restart windows are fixed before the run from the settings (see :data:`WINDOWS`):
 outside them every admit must be decided (200 or 429), never 503 ``state_unvouched``;
-inside them the 503s are counted and reported. ``GET /v1/status`` is polled every 100 ms:
-the handover times (event until every mark is vouched again under its new owner) and the
-marks' age p99 as admission reads them come from it. Everything printed is measured in
-the run; the figures that are claims are asserted. The report is printed (and written to
-``soak-report.json`` in the test's tmp folder, beside the worker logs), never into the
-source tree.
+inside them every admit is decided or refused ``state_unvouched`` by the closed failure
+mode, never anything else, and the 503s are counted and reported. The windows are bounds
+fixed in advance, not the handovers as observed: a handover can come in more than one
+rebalance (a window closed at the first reclaim in a trial saw marks turn stale again 1 s
+later, under a second rebalance), so only a bound is a safe end. ``GET /v1/status`` is
+polled every 100 ms: the handover times (event until every mark is vouched again under its
+new owner) and the marks' age p99 as admission reads them come from it. Everything
+printed is measured in the run; the figures that are claims are asserted. The report is
+printed (and written to ``soak-report.json`` in the test's tmp folder, beside the worker
+logs), never into the source tree.
 """
 
 from __future__ import annotations
@@ -53,7 +57,11 @@ from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.pipeline import Workers
 from tests.fixtures.seeds import RUN_SEED
 
-pytestmark = [pytest.mark.integration, pytest.mark.soak, pytest.mark.timeout(330)]
+# The worst case is the sum of the waits' bounds: workers ready 90 s, decidable 30 s, the
+# load (138 s), commits, decidable again 60 s, accounted 60 s. The soak runs alone, after the
+# parallel part of the suite (scripts/test): its 3 s staleness bound is a claim about an
+# unloaded worker, and another test's load on 2 cores ages the marks past it.
+pytestmark = [pytest.mark.integration, pytest.mark.soak, pytest.mark.timeout(480)]
 
 # --- settings and the windows derived from them (fixed before the run) ------------------
 
@@ -742,6 +750,12 @@ class TestWatermarkSoak:
         assert all(a.status in (200, 429) for a in outside), Counter(
             (a.status, a.code) for a in outside
         )
+        # Inside the windows an admit is decided, or refused by the closed failure mode
+        # because a mark was not vouched; nothing else (no 500, no other 503, no silence).
+        assert all(
+            a.status in (200, 429) or (a.status == 503 and a.code == "state_unvouched")
+            for a in inside
+        ), Counter((a.status, a.code) for a in inside)
         # Each handover ended inside its window (the windows are bounds on them).
         for name, figures in report["handover"].items():
             assert figures["handover_s"] is not None, (name, figures)

@@ -20,7 +20,16 @@ from spendgate.schemas import (
 )
 
 VALID: dict[str, Any] = {"id": "acme-daily", "unit": "total_tokens", "limit": 1000}
-DROP = object()  # a change value meaning "leave this field out"
+
+
+class _Drop:
+    """A change value meaning "leave this field out" (one repr: test ids must be stable)."""
+
+    def __repr__(self) -> str:
+        return "DROP"
+
+
+DROP = _Drop()
 
 _PRICE = ModelPrice(input_per_mtok_micros=3_000_000, output_per_mtok_micros=15_000_000)
 CATALOG = PriceCatalog(list_prices={"claude-haiku-*": _PRICE, "gpt-small": _PRICE})
