@@ -183,8 +183,10 @@ MISSING = """\
   worker; the timing claim checked is "within 10 s", not "within a second".
 - Scenario 4 repeats records within seconds; duplicates older than the dedupe horizon
   (24 h by default) and dedupe state after a restart at that age are not tried.
-- Scenario 6 uses one Redis server, not Redis Cluster (slot-by-slot compensation untested),
-  and one bucket width per policy.
+- Scenario 6 uses one Redis server, not Redis Cluster, and one bucket width per policy;
+  the slot-by-slot compensation across shards (racing requests, a later shard refusing, a
+  crash between shards released by the sweeper, a master killed under load) is tested on
+  a real cluster in `tests/integration/test_cluster_admission.py`, not as a fault scenario.
 - Nothing here runs the worker with more than one process during a fault (rebalances under
   faults are covered only by `tests/integration/test_worker_scale.py`), and every process
   runs on one machine over loopback (no latency or partition injection, no clock skew
