@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spendgate.devcluster import LocalCluster
+from tests.fixtures.admission import OwnRedis
 from tests.fixtures.services import Services
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,10 +178,15 @@ class TestBenchSmoke:
         ]
         assert all(int(r["n"].replace(",", "")) > 0 for r in rows), rows
 
-    def test_admit_script_ab_against_a_copy(self, services: Services, tmp_path: Path) -> None:
+    def test_admit_script_ab_against_a_copy(
+        self, services: Services, own_redis: OwnRedis, tmp_path: Path
+    ) -> None:
         """Both checkouts' helpers run their own code (the copy's modules are imported from
         the copy, not from the installed checkout), every case runs and both decide alike
-        (the tool fails otherwise)."""
+        (the tool fails otherwise). On a Redis of its own: the tool times its scripts by
+        Redis's command statistics and refuses a server where other clients run scripts
+        (the rest of the suite does, on the shared one)."""
+        services = Services(services.kafka_bootstrap, own_redis.url)
         other = tmp_path / "other"
         for name in ("spendgate", "schemas", "streams", "admission", "dashboard"):
             shutil.copytree(ROOT / name, other / name, ignore=shutil.ignore_patterns("__pycache__"))
