@@ -89,8 +89,11 @@ async def showcase(http: httpx.AsyncClient, tally: Tally, clock: Clock, seconds:
     )
 
 
-async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]) -> set[str]:
-    """A stream stopped by a refused extend, then an overage (policy hooli-stream-output).
+async def stream_and_overage(
+    http: httpx.AsyncClient, say: Callable[[str], None], absorb_timeout_s: float = 15.0
+) -> set[str]:
+    """A stream stopped by a refused extend, then an overage (policy hooli-stream-output);
+    the overage shows once the worker applied the commit (``absorb_timeout_s`` at most).
 
     Returns:
         What it showed: ``stream stopped by a refused extend`` and ``overage``.
@@ -151,16 +154,41 @@ async def stream_and_overage(http: httpx.AsyncClient, say: Callable[[str], None]
     over = await admit("hooli-stream-b", 200)
     if over.status_code == 200:
         await commit(over.json()["reservation_id"], 500)
-        await asyncio.sleep(3)  # the worker records the overage
+        # Once the worker applied the commit (nothing reserved is left on the key), what
+        # the next admit reserves is its own estimate, scaled by cap_next.
+        recorded = await _absorbed(http, subject("hooli-stream-b"), 500, absorb_timeout_s)
         again = await admit("hooli-stream-b", 200)
         budgets = again.json().get("budgets", [])
         held = next((b["reserved"] for b in budgets if b["policy"] == "hooli-stream-output"), "?")
         if again.status_code == 200:
             await commit(again.json()["reservation_id"], 200)
-        if isinstance(held, int) and held > 200:
+        if recorded and isinstance(held, int) and held > 200:
             shown.add("overage")
         say(
             "overage: estimated 200, committed 500: charged in full, an overage alert "
             f"(spendgate alerts tail); cap_next holds the next 200 estimate at {held}"
+            if recorded
+            else f"overage: estimated 200, committed 500; the worker did not apply it within "
+            f"{absorb_timeout_s:g} s, so cap_next could not show"
         )
     return shown
+
+
+async def _absorbed(
+    http: httpx.AsyncClient, subject: dict[str, Any], used: int, timeout_s: float
+) -> bool:
+    """Whether the worker applied the commit within ``timeout_s``: policy
+    hooli-stream-output for ``subject`` reads ``used`` and nothing reserved."""
+    params = {k: v for k, v in subject.items() if k != "labels"}
+    params.update({f"labels.{k}": v for k, v in subject.get("labels", {}).items()})
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            answer = await http.get("/v1/budgets", params=params)
+            for b in answer.json().get("budgets", []):
+                mine = b["policy"] == "hooli-stream-output"
+                if mine and b["used"] >= used and b["reserved"] == 0:
+                    return True
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(0.25)
