@@ -74,11 +74,13 @@ async def showcase(http: httpx.AsyncClient, tally: Tally, clock: Clock, seconds:
         f"route: third request on gpu-east answered {body.get('decision')}"
         f" -> {body.get('route_to')}"
     )
-    tally.shown.update(await stream_and_overage(http, say))
-    # delay: 2 haiku now fill the 30 s window; one more ~22 s later is held until it fits.
+    # delay: 2 haiku now fill the 30 s window; one more ~22 s later is held until it fits
+    # (within its 10 s max_delay). The stream and the overage run meanwhile: however long
+    # the overage waits for the worker, the third request comes at its planned instant.
     await asyncio.gather(admit("claude-haiku-4"), admit("claude-haiku-4"))
-    wait = max(0.0, min(seconds - 12, clock.now() + 22) - clock.now())
-    await asyncio.sleep(wait)
+    third_at = min(seconds - 12, clock.now() + 22)
+    tally.shown.update(await stream_and_overage(http, say))
+    await asyncio.sleep(max(0.0, third_at - clock.now()))
     say("delay: a third haiku request arrives; the window is full, it will be held...")
     held = (await admit("claude-haiku-4")).json()
     if held.get("decision") == "allow" and held.get("delayed_ms", 0) > 0:

@@ -60,6 +60,8 @@ class Tally:
     shown: set[str] = field(default_factory=set)
     #: Alerts read back from the alerts topic at the end, by kind.
     alerts: dict[str, int] = field(default_factory=dict)
+    #: Why reading the alerts topic last failed, if it did.
+    alerts_error: str = ""
 
     def missing(self) -> list[str]:
         """What the demo promises and this run did not show, in :data:`SHOWCASED` order."""

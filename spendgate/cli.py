@@ -550,7 +550,14 @@ def schema_export(
 
 @app.command("demo")
 def demo(
-    seconds: Annotated[float, typer.Option(help="How long the workload runs.")] = 40.0,
+    seconds: Annotated[
+        float,
+        typer.Option(
+            min=35,
+            help="How long the workload runs (35 s at least: the delay step needs a 30 s "
+            "window to fill and roll).",
+        ),
+    ] = 40.0,
     url: Annotated[str, typer.Option(help="The admission service.")] = "http://127.0.0.1:8787",
     chart: Annotated[
         Path, typer.Option(help="Where to write the PNG chart of usage against limit.")

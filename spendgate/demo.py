@@ -254,9 +254,11 @@ async def _read_alerts(tally: Tally, *, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         counts: dict[str, int] = {}
-        with contextlib.suppress(Exception):  # a demo without Kafka shows no alerts
+        try:
             async for alert in read_alerts(bootstrap, topic, from_beginning=True, follow=False):
                 counts[alert.kind] = counts.get(alert.kind, 0) + 1
+        except Exception as exc:  # noqa: BLE001 - said, and the demo fails on "alerts"
+            tally.alerts_error = f"reading {topic} at {bootstrap}: {exc!r}"
         tally.alerts = counts
         if "overage" in counts and "threshold" in counts:
             tally.shown.add("alerts")
@@ -340,6 +342,7 @@ def run_demo(
         Text(
             "alerts on the alerts topic: "
             + (", ".join(f"{n} {kind}" for kind, n in sorted(tally.alerts.items())) or "none")
+            + (f" (last error {tally.alerts_error})" if tally.alerts_error else "")
         )
     )
     if chart is not None and tally.keys:

@@ -44,14 +44,15 @@ async def read_alerts(
 
 def describe(alert: Alert) -> str:
     """One readable line for a terminal."""
+    soon = alert.exhausts_in_seconds
     what = {
         "threshold": f"crossed {alert.threshold:.0%}" if alert.threshold is not None else "",
         "exhausted": "exhausted",
         "reservation_expired": f"reservation {alert.reservation_id} expired, charged in full",
         "store_failure": "store unreachable",
         "overage": f"committed {alert.actual} over an estimate of {alert.estimate}",
-        "forecast": f"exhausts in {alert.exhausts_in_seconds}s at its recent burn rate",
-    }.get(alert.kind, "")
+        "forecast": "heading for the limit" if soon is None else f"exhausts in {soon}s",
+    }[alert.kind]
     share = alert.used / alert.limit
     return (
         f"{alert.at:%Y-%m-%d %H:%M:%S}Z  {alert.kind:<19} {alert.key}  {what}  "

@@ -119,6 +119,7 @@ def xdist_scope(nodeid: str) -> str:
     return "redis-cluster" if path in CLUSTER_FILES else path
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Schedule by :func:`xdist_scope`. (xdist 3.8's ``loadgroup`` suffixes node ids in a
     way pytest 9 ignores, so its groups never form: the scope is decided here instead.)"""
@@ -129,3 +130,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return xdist_scope(nodeid)
 
     return ByScope(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test on the shared cluster outside CLUSTER_FILES would be scheduled on its own
+    # worker, which would start and stop the cluster under the other's tests: refuse it.
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if "redis_cluster" in getattr(item, "fixturenames", ()) and path not in CLUSTER_FILES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the shared Redis Cluster: mark it pytest.mark.cluster "
+                "(tests/conftest.py schedules those files on one xdist worker)"
+            )

@@ -260,12 +260,15 @@ class TestExamples:
         assert applied.returncode == 0, applied.stdout + applied.stderr
         listed = _run_cli("policy", "list", tmp_path=tmp_path, env={**env, "COLUMNS": "300"})
         assert listed.returncode == 0, listed.stderr
-        # The CLI reports on stderr (stdout stays for data).
+        # The CLI reports on stderr (stdout stays for data): every policy of the file, each
+        # then listed in force (its id a cell of its own row).
+        from spendgate.streams.policy_admin import load_policies
+
         said = applied.stderr.splitlines()
         ids = [line.split()[1] for line in said if line.startswith("applied ")]
-        assert ids, applied.stderr
-        for policy_id in ids:
-            assert policy_id in listed.stdout, listed.stdout
+        assert ids == [p.id for p in load_policies(file, key_ids=None)], applied.stderr
+        cells = {line.split("│")[1].strip() for line in listed.stdout.splitlines() if "│" in line}
+        assert set(ids) <= cells, listed.stdout
 
     def test_a_glob_on_a_secret_field_is_refused_by_the_cli(self, tmp_path: Path) -> None:
         # What broke the demo once: the check runs before anything is published.

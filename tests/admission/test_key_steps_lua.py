@@ -319,11 +319,11 @@ class TestHoldsAndAbsorbs:
                 r = open_.pop(rng.randrange(len(open_)))
                 args = AbsorbArgs([replace(part, reservation_ids=(r.rid,))])
                 moved = absorb_script(keys=args.keys(), args=args.argv())
-                # All of it, unless its bucket left the window and a hold pruned it: by the
-                # latest clock seen, since a bucket pruned stays pruned when the clock then
-                # steps back (the documented rule; the oracle once used the current clock).
-                seen = max(latest, t)
-                first_live = seen + 1 - (seen + 1) % spec.bucket_ms - spec.window_ms
+                # All of it, unless its bucket left the window and a hold or read pruned it:
+                # by the latest clock a script ran at (absorb takes none), since a bucket
+                # pruned stays pruned when the clock then steps back (the documented rule;
+                # the oracle once used the current clock).
+                first_live = latest + 1 - (latest + 1) % spec.bucket_ms - spec.window_ms
                 start = r.field - r.field % spec.bucket_ms
                 assert moved == r.amount or (moved == 0 and start < first_live)
             else:

@@ -111,6 +111,12 @@ class TestUnvouched:
         assert key_state([2, 1], states) == "missing"
         assert key_state([], states) == "vouched"
 
+    def test_a_mark_exactly_at_the_staleness_bound_is_vouched_and_1_ms_older_stale(self) -> None:
+        # The boundary as the README states it ("older than the staleness bound" is stale),
+        # pinned here apart from the Lua/twin cross-check, which compares the two only.
+        got = marks_states([NOW - 60_000 + 1, NOW - 60_000, NOW - 60_001], NOW, 60_000)
+        assert got == ["vouched", "vouched", "stale"]
+
 
 class TestBurst:
     def test_the_bucket_refuses_beside_the_window_and_its_refill_is_the_wait(self) -> None:
