@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import httpx
-import orjson
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
@@ -30,8 +28,8 @@ from tests.fixtures.kafka_io import (
     eventually,
     pending_sum,
     produce,
-    read_all,
     read_records,
+    wait_refusals,
     window_sum,
 )
 from tests.fixtures.key_ids import key_id
@@ -82,26 +80,6 @@ async def topic_dump(bootstrap: str, prefix: str) -> dict[str, list[bytes]]:
             found += [v for _, v in rec.headers or ()]
         out[name] = found
     return out
-
-
-async def _wait_refusals(
-    bootstrap: str, topic: str, wanted: set[str], timeout_s: float = 30.0
-) -> None:
-    """Wait until ``topic`` holds a refusal of every request id in ``wanted``."""
-    assert wanted, "no request was refused"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = [orjson.loads(v) for v in await read_all(bootstrap, topic)]
-        missing = wanted - {str(v.get("request_id")) for v in values}
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            gaps = [v for v in values if v.get("kind") == "gap"]
-            raise AssertionError(
-                f"{len(missing)} of {len(wanted)} refusals not on {topic} after "
-                f"{timeout_s}s (e.g. {sorted(missing)[:5]}); gap records: {gaps}"
-            )
-        await asyncio.sleep(0.2)
 
 
 def worker_logs(folder: Path) -> list[bytes]:
@@ -187,7 +165,7 @@ class TestNoRawKeyAtRest:
         # background after a linger) on the refusals topic, and the worker's group at the end
         # of the topics it reads (a record's alerts, dead letters and changelog writes are
         # acked before its offset is committed).
-        await _wait_refusals(
+        await wait_refusals(
             worker_settings.kafka_bootstrap, worker_settings.topic("refusals"), refused
         )
         await wait_consumed(

@@ -35,7 +35,7 @@ from spendgate.simulate import read_history
 from spendgate.simulation import Simulation
 from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.factories import PolicyFactory
-from tests.fixtures.kafka_io import eventually, pending_sum, read_all
+from tests.fixtures.kafka_io import eventually, pending_sum, wait_refusals
 from tests.fixtures.pipeline import ApplyPolicies
 from tests.fixtures.seeds import derive
 
@@ -118,7 +118,7 @@ class TestSimulateLive:
             await eventually(lambda k=key: pending_sum(redis_sync, prefix, k) == 0, 60.0)
         # Admission sends refusals in the background (after a linger): wait until every
         # refusal it answered is on the topic simulate reads.
-        await _wait_refusals(
+        await wait_refusals(
             worker_settings.kafka_bootstrap,
             worker_settings.topic("refusals"),
             refused["same"] | refused["differ"],
@@ -215,25 +215,6 @@ class Commit(NamedTuple):
     appended_ms: int  # the broker's log-append time
     request: str
     tenant: str
-
-
-async def _wait_refusals(
-    bootstrap: str, topic: str, wanted: set[str], timeout_s: float = 30.0
-) -> None:
-    """Wait until ``topic`` holds a refusal of every request id in ``wanted``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = [orjson.loads(v) for v in await read_all(bootstrap, topic)]
-        missing = wanted - {str(v.get("request_id")) for v in values}
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            gaps = [v for v in values if v.get("kind") == "gap"]
-            raise AssertionError(
-                f"{len(missing)} of {len(wanted)} refusals not on {topic} after "
-                f"{timeout_s}s (e.g. {sorted(missing)[:5]}); gap records: {gaps}"
-            )
-        await asyncio.sleep(0.2)
 
 
 def _timeline(
