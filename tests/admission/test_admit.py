@@ -194,10 +194,13 @@ class TestRejectAndHeaders:
         assert budget["key"] == f"{p.id}|tenant=acme|api_key=k"
         assert (budget["used"], budget["reserved"], budget["remaining"]) == (0, 50, 450)
         again = await adm.http.get("/v1/budgets", params={"tenant": "acme", "api_key": "k"})
-        # The forecast moves with the clock; everything else is as it was.
+        # The forecast and the reset move with the clock (the reset counts down, in whole
+        # seconds: a second boundary may fall between the two reads); the rest is as it was.
         (later,) = again.json()["budgets"]
         later.pop("exhausts_in_seconds")
         budget.pop("exhausts_in_seconds")
+        reset, reset_later = budget.pop("reset_after_seconds"), later.pop("reset_after_seconds")
+        assert reset - 1 <= reset_later <= reset
         assert later == budget
         missing = await adm.http.get("/v1/budgets", params={"tenant": "acme"})
         assert missing.status_code == 400 and missing.json()["error"]["field"] == "subject.api_key"
