@@ -126,9 +126,10 @@ EVENTS, WINDOWS, LOAD_S = _schedule()
 # --- processes -----------------------------------------------------------------------------
 
 
-def _free_port(low: int, high: int) -> int:
-    """A free TCP port in [low, high] (this soak's range; other people use the rest)."""
-    ports = list(range(low, high + 1))
+def _free_port(low: int, high: int, taken: set[int] | None = None) -> int:
+    """A free TCP port in [low, high] (this soak's range; other people use the rest), not
+    in ``taken`` (ports handed to processes that may not have bound them yet)."""
+    ports = [p for p in range(low, high + 1) if p not in (taken or set())]
     random.shuffle(ports)
     for port in ports:
         with socket.socket() as s:
@@ -598,9 +599,12 @@ class TestWatermarkSoak:
         tenants = _tenants()
         session = {"SPENDGATE_SESSION_TIMEOUT_S": str(SESSION_TIMEOUT_S)}
         ports: dict[str, int] = {}
+        handed: set[int] = set()
 
         def start(name: str) -> subprocess.Popen[bytes]:
-            port = ports.get(name) or _free_port(19900, 19999)
+            # A worker binds its port seconds after it starts: never hand one out twice.
+            port = ports.get(name) or _free_port(19900, 19999, handed)
+            handed.add(port)
             proc = soak_workers.start(name, tmp_path / f"data-{name}", port, env=session)
             ports[name] = port
             return proc
