@@ -1,0 +1,350 @@
+"""Crash-race reproducer (issue 42): the two-SIGKILL scenario and variants, run many times.
+
+Variants (``--variant``), each run in its own process with a fresh seed, one at a time:
+
+* ``suite``: the fault suite's two-kill test itself (``tests/faults/test_worker_crash.py``)
+  in a pytest process; its recorded figures are read back.
+* ``twokill``: the same scenario driven here (the suite's workload with late, ancient and
+  duplicate records; kill 1 once the first counts reach Redis, kill 2 past half of the
+  ledger), with random extra delays before each kill, and the differing cells explained.
+* ``restore``: as ``twokill``, but the second and third workers start on empty table
+  folders (their tables come back from the changelog) and the second is killed during or
+  right after its restore.
+* ``rebalance``: as ``twokill``, with a helper worker (its own table folder) joining after
+  kill 1, so partitions move between the kills, and kept running to the end.
+* ``all``: the three driven variants in turn.
+
+Each run checks, once the group has read every usage record, that Redis holds the exact
+ledger bucket for bucket (120 s at most). Nothing is written into the repository: the
+workers' folders and logs go to a temporary folder (kept under ``--keep`` for failed runs).
+
+Run: ``.venv/bin/python -m bench.crash_race --runs 30`` (``--help``). Prints one line per
+run and a summary line with the failure rate; the exit status is 1 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import _common as c
+
+TEST = (
+    "tests/faults/test_worker_crash.py::TestWorkerCrash::"
+    "test_two_sigkills_at_different_moments_lose_nothing_and_count_nothing_twice"
+)
+VARIANTS = ("suite", "twokill", "restore", "rebalance")
+EVENTS = 6000
+
+
+@dataclass
+class Outcome:
+    """One run: passed or not, and what its figures said."""
+
+    run: int
+    variant: str
+    seed: int
+    passed: bool
+    seconds: float
+    cells_differing: int | None = None
+    units_lost: int | None = None
+    units_double_counted: int | None = None
+    tail: str = ""
+    cells: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def race(self) -> bool:
+        """Whether the windows differed from the ledger at the end (the race, not a
+        precondition that failed, e.g. a kill that did not land mid-stream)."""
+        return bool(self.cells_differing)
+
+
+# -- the suite's test, in pytest ----------------------------------------------------------
+
+
+def run_suite(run: int, seed: int, timeout_s: float) -> Outcome:
+    """Run the fault suite's test once in its own pytest process; read its figures."""
+    with tempfile.TemporaryDirectory(prefix="crash-race-") as tmp:
+        env = {
+            **os.environ,
+            "SPENDGATE_KAFKA_BOOTSTRAP": c.KAFKA,
+            "SPENDGATE_REDIS_URL": c.REDIS,
+            "SPENDGATE_TEST_SEED": str(seed),
+            "SPENDGATE_FAULTS_RESULTS": str(Path(tmp) / "results"),
+        }
+        cmd = [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+            f"--basetemp={Path(tmp) / 'pytest'}", TEST,
+        ]  # fmt: skip
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd, cwd=c.ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
+            passed, out = proc.returncode == 0, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            passed, out = False, f"timed out after {timeout_s:.0f} s: {exc.stdout!r}"
+        seconds = time.monotonic() - started
+        figures: dict[str, int] = {}
+        for path in (Path(tmp) / "results").glob("*.json"):
+            figures = json.loads(path.read_text()).get("figures", {})
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    tail = next((ln for ln in reversed(lines) if "Error" in ln or "assert" in ln), "")
+    return Outcome(
+        run=run,
+        variant="suite",
+        seed=seed,
+        passed=passed,
+        seconds=seconds,
+        cells_differing=figures.get("cells_differing"),
+        units_lost=figures.get("units_lost"),
+        units_double_counted=figures.get("units_double_counted"),
+        tail=(tail or (lines[-1] if lines else ""))[:200],
+    )
+
+
+# -- the driven variants (a child process per run: the seed is read at import) -------------
+
+
+def run_driven(run: int, variant: str, seed: int, timeout_s: float, keep: Path | None) -> Outcome:
+    """Run one driven variant in a child process (``--one``) and read its JSON line."""
+    env = {**os.environ, "SPENDGATE_TEST_SEED": str(seed)}
+    cmd = [sys.executable, "-m", "bench.crash_race", "--one", variant]
+    if keep is not None:
+        cmd += ["--keep", str(keep)]
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=c.ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+        out = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = f"timed out after {timeout_s:.0f} s: {exc.stdout!r}"
+    seconds = time.monotonic() - started
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            raw = json.loads(line)
+            raw.update(run=run, seconds=seconds)
+            return Outcome(**raw)
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    return Outcome(run, variant, seed, False, seconds, tail=" ".join(lines[-3:])[:300])
+
+
+def one(variant: str, keep: Path | None) -> int:
+    """The child: one driven run; prints its outcome as a JSON line."""
+    from tests.fixtures import seeds
+
+    tmp = Path(tempfile.mkdtemp(prefix="crash-race-"))
+    outcome = Outcome(0, variant, seeds.RUN_SEED, False, 0.0)
+    try:
+        asyncio.run(_drive(variant, tmp, outcome))
+    except Exception as exc:  # noqa: BLE001 - reported as the run's failure
+        outcome.tail = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        if not outcome.passed and keep is not None:
+            dest = keep / f"{variant}-{outcome.seed}"
+            shutil.copytree(tmp, dest, dirs_exist_ok=True, ignore=_only_logs)
+            outcome.tail += f" (logs in {dest})"
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(asdict(outcome)), flush=True)
+    return 0
+
+
+def _only_logs(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith(("tables", "helper"))]
+
+
+async def _drive(variant: str, tmp: Path, outcome: Outcome) -> None:
+    import redis
+
+    from spendgate.schemas.policies import Policy
+    from spendgate.streams.settings import WorkerSettings
+    from spendgate.streams.topics import ensure_topics
+    from tests.faults.conftest import all_windows, compare
+    from tests.fixtures import seeds
+    from tests.fixtures.consumption import wait_consumed
+    from tests.fixtures.kafka_io import produce
+    from tests.fixtures.pipeline import Workers, apply_and_wait
+    from tests.fixtures.workload import generate
+
+    rng = seeds.rng(f"crash-race:{variant}")
+    name = f"cr{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(
+        kafka_bootstrap=c.KAFKA,
+        redis_url=c.REDIS,
+        topic_prefix=f"{name}.",
+        redis_prefix=f"{name}:",
+        app_id=f"{name}.app",
+        data_dir=tmp / "tables",
+        metrics_port=0,
+        partitions=2,
+    )
+    await ensure_topics(settings)
+    workers = Workers.__new__(Workers)  # its __init__ runs its own event loop
+    workers.settings, workers.logs, workers.procs = settings, tmp, []
+    client = redis.Redis.from_url(c.REDIS)
+    policy = Policy.model_validate(
+        {
+            "id": f"p-{uuid.uuid4().hex[:8]}",
+            "unit": "input_tokens",
+            "limit": 10**12,
+            "window": "1h",
+            "bucket": "1m",
+            "group_by": ["tenant"],
+        }
+    )
+    work = generate(policy, EVENTS, now_ms=int(time.time() * 1000), seed="worker-crash")
+    prefix, usage = settings.redis_prefix, settings.topic("usage")
+    half = len(work.records) // 2
+
+    def held() -> int:
+        return compare(client, prefix, work.expected).units_held
+
+    async def progress(above: int) -> int:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (have := held()) > above:
+                return have
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no progress beyond {above} units in 120 s")
+
+    def kill(proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    try:
+        first = workers.start("first")
+        await apply_and_wait(settings, client, policy)
+        await produce(settings.kafka_bootstrap, usage, work.records[:half])
+        seen = await progress(0)
+        await asyncio.sleep(rng.uniform(0, 1.5))  # the kill's moment varies
+        kill(first)
+        if variant == "rebalance":
+            workers.start("helper", data_dir=tmp / "helper-tables")
+        second_dir = tmp / "tables-second" if variant == "restore" else None
+        second = workers.start("second", data_dir=second_dir)
+        await produce(settings.kafka_bootstrap, usage, work.records[half:])
+        if variant == "restore":
+            # During or right after its restore from the changelog.
+            await asyncio.sleep(rng.uniform(2.0, 8.0))
+        else:
+            ledger = sum(sum(b.values()) for b in work.expected.values())
+            await progress(max(seen, ledger // 2))
+            await asyncio.sleep(rng.uniform(0, 1.5))
+        kill(second)
+        third_dir = tmp / "tables-third" if variant == "restore" else None
+        workers.start("third", data_dir=third_dir)
+        await wait_consumed(
+            settings.kafka_bootstrap, settings.app_id, usage, timeout_s=300, source_only=True
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if compare(client, prefix, work.expected).exact:
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2)
+        final = compare(client, prefix, work.expected)
+        outcome.passed = final.exact
+        outcome.cells_differing = final.cells_differing
+        outcome.units_lost = final.units_lost
+        outcome.units_double_counted = final.units_double_counted
+        if not final.exact:
+            outcome.cells = _explain(all_windows(client, prefix), work)
+    finally:
+        workers.stop_all()
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            client.delete(key)
+        client.close()
+
+
+def _explain(held: dict[str, dict[int, int]], work: Any) -> list[dict[str, Any]]:
+    """Each differing cell, with the records of its key whose effect is the difference."""
+    out = []
+    for key in sorted(set(work.expected) | set(held)):
+        want, have = work.expected.get(key, {}), held.get(key, {})
+        for bucket in sorted(set(want) | set(have)):
+            w, h = want.get(bucket, 0), have.get(bucket, 0)
+            if w == h:
+                continue
+            diff = h - w
+            suspects = []
+            for i, ((_, value), effects) in enumerate(zip(work.records, work.effects, strict=True)):
+                body = json.loads(value)
+                if f"tenant={body['subject']['tenant']}" not in key:
+                    continue
+                amounts = {a for _, _, a in effects} | {
+                    (body.get("usage") or {}).get("input_tokens")
+                }
+                if abs(diff) in amounts or -abs(diff) in amounts:
+                    suspects.append(
+                        f"#{i} {body['kind']} {body.get('reservation_id') or ''} "
+                        f"{body['occurred_at'][11:19]} {body.get('usage')} {effects}"
+                    )
+            out.append({"key": key, "bucket": bucket, "want": w, "have": h, "suspects": suspects})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.crash_race", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=30, help="how many runs, one at a time")
+    ap.add_argument(
+        "--variant",
+        choices=(*VARIANTS, "all"),
+        default="suite",
+        help="which scenario (default: the suite's test itself; all: the driven ones in turn)",
+    )
+    ap.add_argument("--seed", type=int, default=None, help="the first run's seed (then +1 per run)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
+    ap.add_argument(
+        "--keep", type=Path, default=None, help="copy a failed driven run's worker logs here"
+    )
+    ap.add_argument("--one", choices=VARIANTS[1:], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        return one(args.one, args.keep)
+    first = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "big")
+    cycle = VARIANTS[1:] if args.variant == "all" else (args.variant,)
+    outcomes: list[Outcome] = []
+    started = time.monotonic()
+    for i in range(args.runs):
+        variant, seed = cycle[i % len(cycle)], first + i
+        if variant == "suite":
+            o = run_suite(i + 1, seed, args.timeout)
+        else:
+            o = run_driven(i + 1, variant, seed, args.timeout, args.keep)
+        outcomes.append(o)
+        verdict = "pass" if o.passed else ("RACE" if o.race else "fail")
+        print(
+            f"run {o.run}/{args.runs} {o.variant} seed={o.seed} {verdict} {o.seconds:.0f}s "
+            f"cells_differing={o.cells_differing} lost={o.units_lost} "
+            f"double={o.units_double_counted}" + ("" if o.passed else f" | {o.tail}"),
+            flush=True,
+        )
+        for cell in o.cells:
+            print(f"    {json.dumps(cell)}", flush=True)
+    races = sum(o.race for o in outcomes)
+    other = sum(not o.passed and not o.race for o in outcomes)
+    total = time.monotonic() - started
+    print(
+        f"summary: {races} of {len(outcomes)} runs ended with cells differing from the ledger "
+        f"({100 * races / max(1, len(outcomes)):.1f}%), {other} failed otherwise, "
+        f"{total:.0f} s in all ({', '.join(sorted(set(cycle)))})",
+        flush=True,
+    )
+    return 1 if races or other else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
