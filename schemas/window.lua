@@ -3,10 +3,10 @@
 -- cases).
 -- Library: local functions only; it reads no script keys or arguments and sets no globals.
 -- Provides:
---   window_decode(raw, bucket_ms) -> starts, amounts, n: a value written by
+--   window_decode(raw, bucket_ms, t_ms) -> starts, amounts, n: a value written by
 --     window_codec.encode, version 1 or 2 (raw false for a missing key: empty), as
 --     parallel arrays sorted by bucket start in bucket_ms buckets; a value stored in
---     another width (the policy's bucket changed) is moved as windows.rebucket does;
+--     another width (the policy's bucket changed) is moved as windows.rebucket does at t_ms;
 --     raises on an unknown version. Work: O(buckets).
 --   window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total
 --   window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
@@ -20,6 +20,9 @@
 --     a version-2 hash's total field is skipped) bucket by bucket, as windows.combine;
 --     stale lists the pending fields that can no longer count (to prune).
 --     Work: O(buckets in the window), whatever the number of open reservations.
+--   window_placed(last_ms, t_ms, bucket_ms) -> a, b: where an amount recorded up to last_ms
+--     counts read at t_ms (windows.placed): the bucket of min(t_ms, last_ms), and b, the
+--     bucket of last_ms, when that is a later one (else nil)
 --   window_pending_field(t_ms, bucket_ms) -> the pending-window field of an amount admitted
 --     at t_ms (window_codec.pending_field), as text
 --   window_mod(x, m) -> x mod m in [0, m)
@@ -37,6 +40,18 @@ end
 -- The last millisecond of the bucket holding t_ms: where an amount admitted then is pending.
 local function window_pending_field(t_ms, bucket_ms)
   return string.format('%d', t_ms - window_mod(t_ms, bucket_ms) + bucket_ms - 1)
+end
+
+-- Where an amount recorded up to last_ms counts when read at t_ms (schemas.windows.placed):
+-- the bucket of min(t_ms, last_ms), and when that is an earlier bucket, the bucket of last_ms
+-- too (returned second; nil when one bucket).
+local function window_placed(last_ms, t_ms, bucket_ms)
+  local e = last_ms - window_mod(last_ms, bucket_ms)
+  local at = t_ms
+  if last_ms < at then at = last_ms end
+  local now = at - window_mod(at, bucket_ms)
+  if now == e then return e, nil end
+  return now, e
 end
 
 -- Exact ceil(x * k / b) for integers |x| < 2^53, 0 <= k < b < 2^32.
@@ -66,7 +81,7 @@ local function window_check_boundary(boundary)
 end
 
 -- Decode the compact layout (see schemas/window_codec.py) into sorted arrays.
-local function window_decode(raw, bucket_ms)
+local function window_decode(raw, bucket_ms, t_ms)
   local starts, amounts, n = {}, {}, 0
   if not raw then return starts, amounts, 0 end
   local version = string.byte(raw, 1)
@@ -117,25 +132,32 @@ local function window_decode(raw, bucket_ms)
     error('spendgate window state: unknown kind ' .. tostring(kind))
   end
   if stored_ms ~= bucket_ms then
-    -- The policy's bucket changed and the worker has not rewritten this key yet: move each
-    -- old bucket to the new bucket holding its last millisecond (schemas.windows.rebucket,
-    -- as the worker will), so nothing ages out earlier than before.
-    local ns, na, nn = {}, {}, 0
+    -- The policy's bucket changed and the worker has not rewritten this key yet: each old
+    -- bucket goes where window_placed puts an amount recorded up to its last millisecond
+    -- (schemas.windows.rebucket, as the worker will), a net refund only in the later one.
+    local by_start, order = {}, {}
     for i = 1, n do
-      local last = starts[i] + stored_ms - 1
-      local target = last - window_mod(last, bucket_ms)
-      if nn > 0 and ns[nn] == target then
-        na[nn] = na[nn] + amounts[i]
-      else
-        nn = nn + 1
-        ns[nn], na[nn] = target, amounts[i]
+      local a, z = window_placed(starts[i] + stored_ms - 1, t_ms, bucket_ms)
+      local amount = amounts[i]
+      if z and amount > 0 then
+        if by_start[a] then by_start[a] = by_start[a] + amount else
+          order[#order + 1] = a
+          by_start[a] = amount
+        end
+      end
+      local e = z or a
+      if by_start[e] then by_start[e] = by_start[e] + amount else
+        order[#order + 1] = e
+        by_start[e] = amount
       end
     end
+    table.sort(order)
     starts, amounts, n = {}, {}, 0
-    for i = 1, nn do
-      if na[i] ~= 0 then
+    for i = 1, #order do
+      local v = by_start[order[i]]
+      if v ~= 0 then
         n = n + 1
-        starts[n], amounts[n] = ns[i], na[i]
+        starts[n], amounts[n] = order[i], v
       end
     end
   end
@@ -259,24 +281,33 @@ end
 -- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
 -- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
 local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary)
-  local starts, amounts, n = window_decode(raw, bucket_ms)
+  local starts, amounts, n = window_decode(raw, bucket_ms, t_ms)
   local absorbed = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)
   local stale = {}
   if #pending == 0 then return starts, amounts, n, absorbed, 0, stale end
   local live = t_ms + 1 - window_mod(t_ms + 1, bucket_ms) - window_ms
   local by_start, order = {}, {}
-  for i = 1, #pending, 2 do
-    local last = tonumber(pending[i])
-    local start = last and last - window_mod(last, bucket_ms)
-    if not last then
-      -- A version-2 pending window's total field: it sums the others.
-    elseif start < live then
-      stale[#stale + 1] = pending[i]
-    elseif by_start[start] then
-      by_start[start] = by_start[start] + tonumber(pending[i + 1])
+  local function put(start, amount)
+    if by_start[start] then
+      by_start[start] = by_start[start] + amount
     else
       order[#order + 1] = start
-      by_start[start] = tonumber(pending[i + 1])
+      by_start[start] = amount
+    end
+  end
+  for i = 1, #pending, 2 do
+    local last = tonumber(pending[i])
+    if not last then
+      -- A version-2 pending window's total field: it sums the others.
+    elseif last - window_mod(last, bucket_ms) < live then
+      stale[#stale + 1] = pending[i]
+    else
+      -- After the bucket of now (a wider width, or the clock went back): it counts now,
+      -- and until its last millisecond leaves the window (window_placed).
+      local amount = tonumber(pending[i + 1])
+      local a, z = window_placed(last, t_ms, bucket_ms)
+      put(a, amount)
+      if z then put(z, amount) end
     end
   end
   if #order == 0 then return starts, amounts, n, absorbed, 0, stale end

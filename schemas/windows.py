@@ -48,6 +48,19 @@ Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later
   of the window exactly like absorbed usage: a ``retry_after`` over the combined buckets
   is at most ``window_ms + bucket_ms`` after ``t_ms`` whenever nothing is future-dated.
 
+* Policy edits and clocks that step back never under-count. An amount kept in another
+  bucket width (the policy changed its ``bucket``) is read as ``rebucket`` moves it, and a
+  pending amount as ``placed`` puts it, at the clock of the read: it counts from now and
+  until its last millisecond leaves the window, in the bucket of ``min(now, last)`` and,
+  when that is an earlier bucket, once more in the bucket of ``last``. So a reservation
+  held at a clock later than now (the clock went back) counts now, and usage of the
+  current hour moved to 1 min buckets counts at once. Kept that way (the stream processor
+  rewrites a key in the new width at its latest event time), an old bucket that had not
+  ended is counted twice for less than a window: the over-count is at most one old bucket.
+  A change of ``window`` keeps the buckets: a shorter window counts the ones it covers at
+  once; a longer one counts what was kept, which is everything of the previous window (no
+  state is dropped before it leaves the window in force).
+
 * When is an amount charged (``settle``)? Every amount lands in the bucket of the instant
   it was asked for: a reservation's estimate at its admission instant, each extend of it
   at the extend's own instant, an overage (actual above everything reserved) at the
@@ -80,6 +93,8 @@ __all__ = [
     "boundary_usage",
     "combine",
     "merge",
+    "pending_now",
+    "placed",
     "prune",
     "rebucket",
     "retry_after",
@@ -298,13 +313,34 @@ def merge(*states: Mapping[int, int]) -> Buckets:
     return {start: amount for start, amount in merged.items() if amount}
 
 
+def pending_now(pending: Mapping[int, int], bucket_ms: int, t_ms: int) -> Buckets:
+    """Pending buckets as they count at ``t_ms``: one after the bucket of ``t_ms`` (held at
+    a clock later than now, or in a wider width) is placed as :func:`placed` places it,
+    in the bucket of now as well as its own.
+
+    Args:
+        pending: bucket start -> pending amount, in width ``bucket_ms``.
+        bucket_ms: the width.
+        t_ms: the clock of the read.
+
+    Returns:
+        A new state; zero sums dropped.
+    """
+    head = t_ms - t_ms % bucket_ms
+    if not pending or max(pending) <= head:
+        return dict(pending)
+    later = sum(amount for start, amount in pending.items() if start > head)
+    return merge(pending, {head: later})
+
+
 def combine(
     spec: WindowSpec, absorbed: Mapping[int, int], pending: Mapping[int, int], t_ms: int
 ) -> Held:
     """Combine a key's absorbed buckets with its pending ones at ``t_ms``.
 
     Pending buckets that can no longer count (older than ``first_live_bucket(t_ms)``)
-    are left out, as the admission script prunes them.
+    are left out, as the admission script prunes them; one after the bucket of ``t_ms``
+    counts now all the same (:func:`pending_now`).
 
     Args:
         spec: the window definition.
@@ -318,6 +354,7 @@ def combine(
     """
     horizon = spec.first_live_bucket(t_ms)
     live = {start: amount for start, amount in pending.items() if start >= horizon}
+    live = pending_now(live, spec.bucket_ms, t_ms)
     buckets = merge(absorbed, live) if live else dict(absorbed)
     absorbed_total = total(spec, absorbed, t_ms)
     return Held(buckets, absorbed_total, total(spec, buckets, t_ms) - absorbed_total)
@@ -414,26 +451,57 @@ def retry_after(
     return RetryAfter(None, False)
 
 
-def rebucket(buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int) -> Buckets:
-    """Move buckets of width ``old_bucket_ms`` to width ``new_bucket_ms`` (a policy change).
+def placed(last_ms: int, t_ms: int, bucket_ms: int) -> tuple[int, ...]:
+    """The buckets (width ``bucket_ms``) where an amount recorded up to ``last_ms`` counts
+    when read at ``t_ms``: the rule for an amount kept in another bucket width (a policy
+    changed its ``bucket``) or held at a clock later than ``t_ms`` (the clock went back).
 
-    Each old bucket's amount goes to the new bucket holding the old bucket's *last*
-    millisecond, so no usage ages out earlier than it would have: with ``include`` the
-    window still never under-counts. Zero sums are dropped.
+    The amount counts from now and until ``last_ms`` leaves the window, never less: it is
+    placed in the bucket of ``min(t_ms, last_ms)`` (so it counts at ``t_ms``) and, when that
+    is an earlier bucket, once more in the bucket of ``last_ms`` (so it still counts as long
+    as its last millisecond does). Read at ``t_ms`` the second copy starts after ``t_ms``
+    and adds nothing to the total; kept, the two copies both count once ``t_ms`` reaches
+    the later bucket: the over-count is then the amount itself, for less than a window.
+
+    Returns:
+        One bucket start, or two (the earlier first).
+    """
+    end = last_ms - last_ms % bucket_ms
+    at = min(t_ms, last_ms)
+    now = at - at % bucket_ms
+    return (end,) if now == end else (now, end)
+
+
+def rebucket(
+    buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int, t_ms: int
+) -> Buckets:
+    """Move buckets of width ``old_bucket_ms`` to width ``new_bucket_ms`` (a policy change),
+    read at ``t_ms``.
+
+    Each old bucket ``[start, last]`` goes where :func:`placed` puts an amount recorded
+    up to ``last``: so every unit keeps counting from its old bucket's first instant (at
+    ``t_ms`` or later) until its last instant plus the window, in either direction of the
+    change, and no window under-counts. An old bucket that had not ended at ``t_ms`` (the
+    current one, or a future-dated one) is counted twice once both its copies are in the
+    window: the over-count is at most that one bucket's amount. A net refund (a negative
+    bucket) is placed once, in the later bucket. Zero sums are dropped.
 
     Args:
         buckets: the state in the old width.
         old_bucket_ms: the width the state was kept in.
         new_bucket_ms: the policy's new width.
+        t_ms: the clock of the read (a worker: the key's latest event time).
 
     Returns:
         A new state in the new width.
     """
+    if old_bucket_ms == new_bucket_ms:
+        return {k: v for k, v in buckets.items() if v}
     moved: Buckets = {}
     for start, value in buckets.items():
-        last = start + old_bucket_ms - 1
-        target = last - last % new_bucket_ms
-        moved[target] = moved.get(target, 0) + value
+        targets = placed(start + old_bucket_ms - 1, t_ms, new_bucket_ms)
+        for target in targets if value > 0 else targets[-1:]:
+            moved[target] = moved.get(target, 0) + value
     return {k: v for k, v in moved.items() if v}
 
 

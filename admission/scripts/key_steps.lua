@@ -66,8 +66,8 @@ local function key_state(deps, states)
 end
 
 -- The version-2 pending window at now: its sum, what left the window (stale fields at the
--- list's head), the boundary bucket, buckets after the bucket of now (at its tail: a field
--- of a wider bucket width, or the clock went back), the newest bucket. q.ok is false when
+-- list's head), the boundary bucket, the newest bucket (after the bucket of now when a field
+-- is of a wider bucket width or the clock went back: it counts now all the same). q.ok is false when
 -- the list's last entries do not settle the newest bucket or the list lost entries (then
 -- the key is read whole); q.repair when the hash holds amounts the list does not name.
 local function pending_read(x, now, v2)
@@ -145,9 +145,9 @@ local function pending_read(x, now, v2)
     i = i + 1
     q.edge = q.edge + (tonumber(got[i]) or 0)
   end
-  -- From the newest entry back: buckets after head do not count yet; the first present
-  -- one is the newest bucket.
-  local later, past_head = 0, false
+  -- From the newest entry back: buckets after head (a wider width, or the clock went
+  -- back) count now in head (window_placed); the first present one is the newest bucket.
+  local past_head = false
   q.tail_amounts = {}
   for k = 1, #tail do
     local amount = tonumber(got[i + k])
@@ -155,12 +155,11 @@ local function pending_read(x, now, v2)
     local f = tonumber(tail[#tail + 1 - k])
     local start = f - window_mod(f, b)
     if start <= head then past_head = true end
-    if amount then
-      if not past_head then later = later + amount end
-      if not q.newest and start >= live then q.newest, q.newest_amount = start, amount end
+    if amount and not q.newest and start >= live then
+      q.newest, q.newest_amount = start, amount
     end
   end
-  q.full = q.total - q.stale_sum - q.edge - later
+  q.full = q.total - q.stale_sum - q.edge
   -- Amounts still pending but the last entries settle neither what lies after head nor
   -- the newest bucket: read the key whole.
   if not past_head and not whole then q.ok = false end

@@ -10,7 +10,15 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from spendgate.schemas.window_codec import decode_pending, pending_field
-from spendgate.schemas.windows import BOUNDARIES, WindowSpec, combine, merge, retry_after
+from spendgate.schemas.windows import (
+    BOUNDARIES,
+    WindowSpec,
+    combine,
+    merge,
+    pending_now,
+    placed,
+    retry_after,
+)
 
 # Example counts come from the hypothesis profiles in tests/conftest.py (CI=true: 2000).
 
@@ -62,6 +70,28 @@ class TestPendingLayout:
         assert decode_pending(raw, 1000) == {1000: 5, 2000: 7, 59_000: 11}
         # A coarser width: each field lands in the bucket holding its last millisecond.
         assert decode_pending(raw, 5000) == {0: 12, 55_000: 11}
+
+    def test_a_field_after_now_counts_now_and_until_its_last_millisecond(self) -> None:
+        # Held in an hour bucket now read in minutes (or at a clock that went back): its
+        # last millisecond's minute holds it, and the minute of now counts it as well; the
+        # later copy starts after now and adds nothing to the total until then.
+        hour = 1_699_999_200_000  # a whole hour
+        raw = {str(hour + 3_599_999): 40}
+        now = hour + 1_234_567
+        head = now - now % 60_000
+        assert decode_pending(raw, 60_000) == {hour + 3_540_000: 40}
+        assert pending_now(decode_pending(raw, 60_000), 60_000, now) == {
+            head: 40,
+            hour + 3_540_000: 40,
+        }
+        assert placed(hour + 3_599_999, now, 60_000) == (head, hour + 3_540_000)
+        spec = WindowSpec(3_600_000, 60_000, "include")
+        held = combine(spec, {}, decode_pending(raw, 60_000), now)
+        assert held.pending == 40
+        # Once its last minute has begun, it is in that minute alone.
+        late = hour + 3_599_000
+        assert placed(hour + 3_599_999, late, 60_000) == (hour + 3_540_000,)
+        assert combine(spec, {}, decode_pending(raw, 60_000), late).pending == 40
 
 
 class TestCombine:
