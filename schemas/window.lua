@@ -17,12 +17,10 @@
 --   window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
 --     n, absorbed, pending_part, stale: the absorbed window raw plus the pending window (an
 --     HGETALL reply, or several concatenated, as window_codec.decode_pending reads them:
---     a version-2 hash's total field is skipped) bucket by bucket, as windows.combine;
+--     a version-2 hash's total field is skipped) bucket by bucket, as windows.combine (a
+--     pending bucket after the bucket of now counts in it too: windows.pending_now);
 --     stale lists the pending fields that can no longer count (to prune).
 --     Work: O(buckets in the window), whatever the number of open reservations.
---   window_placed(last_ms, t_ms, bucket_ms) -> a, b: where an amount recorded up to last_ms
---     counts read at t_ms (windows.placed): the bucket of min(t_ms, last_ms), and b, the
---     bucket of last_ms, when that is a later one (else nil)
 --   window_pending_field(t_ms, bucket_ms) -> the pending-window field of an amount admitted
 --     at t_ms (window_codec.pending_field), as text
 --   window_mod(x, m) -> x mod m in [0, m)
@@ -40,18 +38,6 @@ end
 -- The last millisecond of the bucket holding t_ms: where an amount admitted then is pending.
 local function window_pending_field(t_ms, bucket_ms)
   return string.format('%d', t_ms - window_mod(t_ms, bucket_ms) + bucket_ms - 1)
-end
-
--- Where an amount recorded up to last_ms counts when read at t_ms (schemas.windows.placed):
--- the bucket of min(t_ms, last_ms), and when that is an earlier bucket, the bucket of last_ms
--- too (returned second; nil when one bucket).
-local function window_placed(last_ms, t_ms, bucket_ms)
-  local e = last_ms - window_mod(last_ms, bucket_ms)
-  local at = t_ms
-  if last_ms < at then at = last_ms end
-  local now = at - window_mod(at, bucket_ms)
-  if now == e then return e, nil end
-  return now, e
 end
 
 -- Exact ceil(x * k / b) for integers |x| < 2^53, 0 <= k < b < 2^32.
@@ -132,24 +118,28 @@ local function window_decode(raw, bucket_ms, t_ms)
     error('spendgate window state: unknown kind ' .. tostring(kind))
   end
   if stored_ms ~= bucket_ms then
-    -- The policy's bucket changed and the worker has not rewritten this key yet: each old
-    -- bucket goes where window_placed puts an amount recorded up to its last millisecond
-    -- (schemas.windows.rebucket, as the worker will), a net refund only in the later one.
+    -- The policy's bucket changed and the worker has not rewritten this key yet: as
+    -- schemas.windows.rebucket (and the worker) moves it at t_ms, an old bucket that had
+    -- ended to the new bucket of its last millisecond; one that had not, also to the new
+    -- bucket of its first (a net refund only to the later one).
     local by_start, order = {}, {}
+    local function put(start, amount)
+      if by_start[start] then
+        by_start[start] = by_start[start] + amount
+      else
+        order[#order + 1] = start
+        by_start[start] = amount
+      end
+    end
     for i = 1, n do
-      local a, z = window_placed(starts[i] + stored_ms - 1, t_ms, bucket_ms)
-      local amount = amounts[i]
-      if z and amount > 0 then
-        if by_start[a] then by_start[a] = by_start[a] + amount else
-          order[#order + 1] = a
-          by_start[a] = amount
-        end
+      local s, amount = starts[i], amounts[i]
+      local last = s + stored_ms - 1
+      local e = last - window_mod(last, bucket_ms)
+      if last > t_ms and amount > 0 then
+        local a = s - window_mod(s, bucket_ms)
+        if a ~= e then put(a, amount) end
       end
-      local e = z or a
-      if by_start[e] then by_start[e] = by_start[e] + amount else
-        order[#order + 1] = e
-        by_start[e] = amount
-      end
+      put(e, amount)
     end
     table.sort(order)
     starts, amounts, n = {}, {}, 0
@@ -286,6 +276,7 @@ local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary
   local stale = {}
   if #pending == 0 then return starts, amounts, n, absorbed, 0, stale end
   local live = t_ms + 1 - window_mod(t_ms + 1, bucket_ms) - window_ms
+  local head = t_ms - window_mod(t_ms, bucket_ms)
   local by_start, order = {}, {}
   local function put(start, amount)
     if by_start[start] then
@@ -302,12 +293,12 @@ local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary
     elseif last - window_mod(last, bucket_ms) < live then
       stale[#stale + 1] = pending[i]
     else
-      -- After the bucket of now (a wider width, or the clock went back): it counts now,
-      -- and until its last millisecond leaves the window (window_placed).
+      -- In its own bucket, and after the bucket of now (held at a later clock, or in a
+      -- wider width since narrowed) in the bucket of now as well (windows.pending_now).
       local amount = tonumber(pending[i + 1])
-      local a, z = window_placed(last, t_ms, bucket_ms)
-      put(a, amount)
-      if z then put(z, amount) end
+      local start = last - window_mod(last, bucket_ms)
+      put(start, amount)
+      if start > head then put(head, amount) end
     end
   end
   if #order == 0 then return starts, amounts, n, absorbed, 0, stale end

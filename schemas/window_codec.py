@@ -49,7 +49,7 @@ The *pending window* (reservations admission holds that the processor has not ab
 is a Redis hash instead, updated in place by the scripts: field = the decimal *last*
 millisecond of the bucket a reservation was admitted in (``pending_field``), value = the
 amount pending there. Naming a bucket by its last millisecond lets a reader in any bucket
-width place it as ``schemas.windows.placed`` does (``decode_pending``), so a policy
+width place it in the bucket holding that millisecond (``decode_pending``), so a policy
 whose ``bucket`` changed needs no rewrite. Two layouts (``redis_keys``):
 
 * version 1, ``pending_window_key``: the bucket fields only, read whole by the admit
@@ -291,7 +291,7 @@ def decode_pending(
             version-2 hash, ``PENDING_TOTAL_FIELD`` and the reservations' entries, skipped).
         bucket_ms: the width to read it in; a field written in another width lands in
             the bucket holding its last millisecond (``windows.combine`` counts one after
-            the bucket of now at once: ``windows.placed``).
+            the bucket of now at once: ``windows.pending_now``).
 
     Returns:
         Bucket start -> pending amount, zero sums dropped.

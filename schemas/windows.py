@@ -49,17 +49,19 @@ Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later
   is at most ``window_ms + bucket_ms`` after ``t_ms`` whenever nothing is future-dated.
 
 * Policy edits and clocks that step back never under-count. An amount kept in another
-  bucket width (the policy changed its ``bucket``) is read as ``rebucket`` moves it, and a
-  pending amount as ``placed`` puts it, at the clock of the read: it counts from now and
-  until its last millisecond leaves the window, in the bucket of ``min(now, last)`` and,
-  when that is an earlier bucket, once more in the bucket of ``last``. So a reservation
-  held at a clock later than now (the clock went back) counts now, and usage of the
-  current hour moved to 1 min buckets counts at once. Kept that way (the stream processor
-  rewrites a key in the new width at its latest event time), an old bucket that had not
-  ended is counted twice for less than a window: the over-count is at most one old bucket.
+  bucket width (the policy changed its ``bucket``) is read as ``rebucket`` moves it at the
+  clock of the read: an old bucket that had ended goes to the new bucket of its last
+  millisecond; one that had not, to the new buckets of its first *and* of its last
+  millisecond, so it counts at once and until its last millisecond plus the window. Kept
+  that way (the stream processor rewrites a key in the new width at its latest event
+  time), that one old bucket counts twice for less than a window: the over-count is at
+  most one old bucket. A pending amount in a bucket after the bucket of now (held at a
+  clock later than now, or in a wider width since narrowed) counts now as well
+  (``pending_now``): a reservation counts from the moment it is held, whatever the clock
+  does, until its bucket leaves the window by the latest clock a prune ran at.
   A change of ``window`` keeps the buckets: a shorter window counts the ones it covers at
-  once; a longer one counts what was kept, which is everything of the previous window (no
-  state is dropped before it leaves the window in force).
+  once; a longer one counts what was kept, which is everything the previous window still
+  covered (nothing is dropped before it leaves the window in force).
 
 * When is an amount charged (``settle``)? Every amount lands in the bucket of the instant
   it was asked for: a reservation's estimate at its admission instant, each extend of it
@@ -94,7 +96,6 @@ __all__ = [
     "combine",
     "merge",
     "pending_now",
-    "placed",
     "prune",
     "rebucket",
     "retry_after",
@@ -314,9 +315,11 @@ def merge(*states: Mapping[int, int]) -> Buckets:
 
 
 def pending_now(pending: Mapping[int, int], bucket_ms: int, t_ms: int) -> Buckets:
-    """Pending buckets as they count at ``t_ms``: one after the bucket of ``t_ms`` (held at
-    a clock later than now, or in a wider width) is placed as :func:`placed` places it,
-    in the bucket of now as well as its own.
+    """Pending buckets as they count at ``t_ms``: an amount pending in a bucket after the
+    bucket of ``t_ms`` (held at a clock later than now, or in a wider bucket width since
+    narrowed) counts in the bucket of now as well as in its own. So a reservation counts
+    from the moment it is held, whatever the clock does, and until its own bucket leaves
+    the window; read at ``t_ms`` the later copy starts after ``t_ms`` and adds nothing.
 
     Args:
         pending: bucket start -> pending amount, in width ``bucket_ms``.
@@ -451,39 +454,22 @@ def retry_after(
     return RetryAfter(None, False)
 
 
-def placed(last_ms: int, t_ms: int, bucket_ms: int) -> tuple[int, ...]:
-    """The buckets (width ``bucket_ms``) where an amount recorded up to ``last_ms`` counts
-    when read at ``t_ms``: the rule for an amount kept in another bucket width (a policy
-    changed its ``bucket``) or held at a clock later than ``t_ms`` (the clock went back).
-
-    The amount counts from now and until ``last_ms`` leaves the window, never less: it is
-    placed in the bucket of ``min(t_ms, last_ms)`` (so it counts at ``t_ms``) and, when that
-    is an earlier bucket, once more in the bucket of ``last_ms`` (so it still counts as long
-    as its last millisecond does). Read at ``t_ms`` the second copy starts after ``t_ms``
-    and adds nothing to the total; kept, the two copies both count once ``t_ms`` reaches
-    the later bucket: the over-count is then the amount itself, for less than a window.
-
-    Returns:
-        One bucket start, or two (the earlier first).
-    """
-    end = last_ms - last_ms % bucket_ms
-    at = min(t_ms, last_ms)
-    now = at - at % bucket_ms
-    return (end,) if now == end else (now, end)
-
-
 def rebucket(
     buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int, t_ms: int
 ) -> Buckets:
     """Move buckets of width ``old_bucket_ms`` to width ``new_bucket_ms`` (a policy change),
     read at ``t_ms``.
 
-    Each old bucket ``[start, last]`` goes where :func:`placed` puts an amount recorded
-    up to ``last``: so every unit keeps counting from its old bucket's first instant (at
-    ``t_ms`` or later) until its last instant plus the window, in either direction of the
-    change, and no window under-counts. An old bucket that had not ended at ``t_ms`` (the
-    current one, or a future-dated one) is counted twice once both its copies are in the
-    window: the over-count is at most that one bucket's amount. A net refund (a negative
+    An old bucket ``[start, last]`` that had ended at ``t_ms`` goes to the new bucket
+    holding ``last``: it counts until ``last`` plus the window, as before. One that had
+    not (the current one, or a future-dated one) goes to the new bucket holding ``start``
+    *and* to the one holding ``last``: the first counts from ``start`` on, the second until
+    ``last`` plus the window, and since a bucket is never wider than the window the two
+    leave no gap. So every unit keeps counting from its old bucket's first instant until
+    its last instant plus the window, in either direction of the change, at any clock
+    after ``start`` (a clock that went back included), and no window under-counts. The
+    price: once both copies are in the window that one old bucket counts twice, for less
+    than a window: the over-count is at most one old bucket. A net refund (a negative
     bucket) is placed once, in the later bucket. Zero sums are dropped.
 
     Args:
@@ -499,9 +485,13 @@ def rebucket(
         return {k: v for k, v in buckets.items() if v}
     moved: Buckets = {}
     for start, value in buckets.items():
-        targets = placed(start + old_bucket_ms - 1, t_ms, new_bucket_ms)
-        for target in targets if value > 0 else targets[-1:]:
-            moved[target] = moved.get(target, 0) + value
+        last = start + old_bucket_ms - 1
+        end = last - last % new_bucket_ms
+        if last > t_ms and value > 0:
+            first = start - start % new_bucket_ms
+            if first != end:
+                moved[first] = moved.get(first, 0) + value
+        moved[end] = moved.get(end, 0) + value
     return {k: v for k, v in moved.items() if v}
 
 

@@ -146,7 +146,7 @@ local function pending_read(x, now, v2)
     q.edge = q.edge + (tonumber(got[i]) or 0)
   end
   -- From the newest entry back: buckets after head (a wider width, or the clock went
-  -- back) count now in head (window_placed); the first present one is the newest bucket.
+  -- back) count now in head (windows.pending_now); the first present one is the newest bucket.
   local past_head = false
   q.tail_amounts = {}
   for k = 1, #tail do

@@ -16,7 +16,6 @@ from spendgate.schemas.windows import (
     combine,
     merge,
     pending_now,
-    placed,
     retry_after,
 )
 
@@ -84,13 +83,12 @@ class TestPendingLayout:
             head: 40,
             hour + 3_540_000: 40,
         }
-        assert placed(hour + 3_599_999, now, 60_000) == (head, hour + 3_540_000)
         spec = WindowSpec(3_600_000, 60_000, "include")
         held = combine(spec, {}, decode_pending(raw, 60_000), now)
         assert held.pending == 40
         # Once its last minute has begun, it is in that minute alone.
         late = hour + 3_599_000
-        assert placed(hour + 3_599_999, late, 60_000) == (hour + 3_540_000,)
+        assert pending_now(decode_pending(raw, 60_000), 60_000, late) == {hour + 3_540_000: 40}
         assert combine(spec, {}, decode_pending(raw, 60_000), late).pending == 40
 
 
