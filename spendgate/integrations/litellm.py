@@ -8,14 +8,22 @@ Load it from the proxy's ``config.yaml``::
 and configure it with ``SPENDGATE_LITELLM_*`` environment variables
 (:class:`LiteLLMSettings`; read on the first request, not at import).
 
+* **Every call type** is metered (:mod:`spendgate.integrations.litellm_calls` says how):
+  chat and text completions, the Responses API, Anthropic's ``/v1/messages``, embeddings,
+  images, speech, transcription, rerank and batch creation. A call type spendgate does not
+  know is counted as one request (``unmetered``: ``count``), refused (``reject``) or
+  passed (``pass``, logged once per type); never silently free.
 * **Before the call** each attempt is admitted on its own (request id = LiteLLM's call id):
   the estimate is the prompt's tokens (LiteLLM's counter) plus the output allowance,
-  injected as ``max_tokens`` / ``max_completion_tokens`` when the request sets neither.
+  injected as the request's output cap (``max_tokens`` / ``max_completion_tokens``,
+  ``max_output_tokens`` on the Responses API) when the request sets none.
   ``cap`` lowers them, ``downgrade`` and ``route`` rewrite the model, ``delay`` waits in
   admission, ``reject`` answers 429 (:func:`spendgate.integrations.gateway.refusal_of`).
-* **After success** the provider's usage is committed; **after a failure** the
-  reservation is released. An SDK retry is a new call with a new id: the failed attempt's
-  failure hook released its reservation, so a retried request is charged once.
+* **After success** the provider's usage is committed (chat and text completions from
+  the answer, the other types from LiteLLM's success event, with its cost); **after a
+  failure** the reservation is released. An SDK retry is a new call with a new id: the
+  failed attempt's failure hook released its reservation, so a retried request is
+  charged once.
 * **Streams** reserve a first block of output and extend in blocks of ``stream_step``
   tokens; a refused extend ends the stream there. However a stream ends (completed,
   stopped, abandoned by its client, failed) what it produced is committed.
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -38,6 +47,7 @@ from typing import Any, Literal
 
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
+from litellm.proxy._types import ProxyException
 from prometheus_client import Counter
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -57,7 +67,19 @@ from spendgate.integrations.gateway import (
     refusal_of,
     subject_of,
     unavailable_refusal,
-    usage_of,
+)
+from spendgate.integrations.litellm_calls import (
+    Kind,
+    SseUsage,
+    chunk_text,
+    has_output,
+    input_text,
+    kind_of,
+    max_output,
+    one_request,
+    reported,
+    set_max_output,
+    streamed_usage,
 )
 from spendgate.schemas.decisions import Decision
 from spendgate.schemas.events import Subject, Usage
@@ -68,8 +90,12 @@ __all__ = ["LiteLLMSettings", "SpendgateLogger", "SpendgateRefusal", "handler"]
 
 logger = logging.getLogger(__name__)
 
-#: The LiteLLM call types spendgate admits; others (embeddings, images...) pass unmetered.
-ENFORCED_CALLS = frozenset({"completion", "acompletion", "text_completion", "atext_completion"})
+#: The kinds whose answers stream (and extend their reservation as they do).
+STREAMING_KINDS: frozenset[Kind] = frozenset({"chat", "text", "responses", "messages"})
+#: The kinds settled from the answer the proxy hands ``async_post_call_success_hook``;
+#: the others from the success event (which carries LiteLLM's cost, and fires on the
+#: routes without that hook: speech, transcription, rerank).
+ANSWER_SETTLED: frozenset[Kind] = frozenset({"chat", "text", "batch", "unknown"})
 
 #: Calls remembered between their admit and their settle (older ones expire in spendgate).
 MAX_OPEN_CALLS = 100_000
@@ -77,13 +103,21 @@ MAX_OPEN_CALLS = 100_000
 DECISIONS = Counter(
     "spendgate_litellm_decisions_total",
     "Proxy calls by what spendgate decided (allow, cap, downgrade, route, observe_reject, "
-    "reject), or unavailable (admission unreachable: refused) and unmetered (passed).",
-    ["decision"],
+    "reject), or unavailable (admission unreachable: refused) and unmetered (passed), "
+    "by LiteLLM call type.",
+    ["decision", "call_type"],
 )
 SETTLED = Counter(
     "spendgate_litellm_settled_total",
-    "Reservations settled by the proxy: commit, release, or failed (left to expire).",
-    ["outcome"],
+    "Reservations settled by the proxy: commit, release, or failed (left to expire), by "
+    "LiteLLM call type.",
+    ["outcome", "call_type"],
+)
+UNMETERED = Counter(
+    "spendgate_litellm_unmetered_total",
+    "Calls of a type spendgate does not know, by call type and what the unmetered "
+    "setting did with them (count, reject, pass).",
+    ["call_type", "mode"],
 )
 STREAMS_STOPPED = Counter(
     "spendgate_litellm_streams_stopped_total", "Streams ended where an extend was refused."
@@ -127,6 +161,10 @@ class LiteLLMSettings(BaseSettings):
     topic_prefix: str = "budget."
     #: The failure mode while admission is unreachable and no policy is known.
     unavailable: Literal["closed", "open"] = "closed"
+    #: A call type spendgate does not know: ``count`` admits and commits it as one
+    #: request, ``reject`` refuses it (403), ``pass`` forwards it unmetered (logged once
+    #: per type).
+    unmetered: Literal["count", "reject", "pass"] = "count"
 
     @property
     def admit_deadline_s(self) -> float:
@@ -134,22 +172,39 @@ class LiteLLMSettings(BaseSettings):
         return self.timeout_s * (self.retries + 1) + self.max_hold_s + 1.0
 
 
-class SpendgateRefusal(Exception):
-    """A refusal the proxy answers as an OpenAI error: ``status_code``, ``type``, ``headers``.
+class SpendgateRefusal(ProxyException):
+    """A refusal the proxy answers in its route's error shape, with ``status_code``,
+    ``type``, ``headers`` and ``provider_specific_fields``.
 
-    The proxy keeps ``type`` and the headers and puts ``provider_specific_fields`` under
-    the error object; it always sets ``code`` to the status.
+    A :class:`ProxyException` because only those keep their headers (``Retry-After``,
+    ``x-should-retry``) on ``/v1/messages``, where the proxy answers Anthropic's shape
+    (``{"type": "error", "error": {"type": "rate_limit_error", ...}}``, the type from the
+    status); OpenAI routes answer OpenAI's, keeping ``type``, with ``code`` the status.
     """
 
     def __init__(self, refusal: Refusal) -> None:
-        super().__init__(refusal.message)
-        self.message = refusal.message
+        super().__init__(
+            message=refusal.message,
+            type=refusal.type,
+            param=None,
+            code=refusal.status,
+            headers=dict(refusal.headers),
+            provider_specific_fields={"spendgate": refusal.details},
+        )
+        #: Read by the routes that rebuild the error (transcription answers 500 without).
         self.status_code = refusal.status
-        self.type = refusal.type
-        self.code = refusal.type
-        self.param = None
-        self.headers = dict(refusal.headers)
-        self.provider_specific_fields = {"spendgate": refusal.details}
+
+
+def unmetered_refusal(call_type: str) -> Refusal:
+    """The refusal of a call type spendgate does not meter, under ``unmetered: reject``."""
+    return Refusal(
+        403,
+        "unmetered_call_type",
+        f"spendgate does not meter LiteLLM call type {call_type!r}, and this proxy refuses "
+        "unmetered calls (SPENDGATE_LITELLM_UNMETERED=reject).",
+        {"x-should-retry": "false"},
+        {"call_type": call_type, "reason": "unmetered_call_type"},
+    )
 
 
 @dataclass(slots=True)
@@ -159,32 +214,80 @@ class _Call:
     decision: Decision
     prompt_tokens: int
     stream: AsyncStream | None
+    kind: Kind = "chat"
+    call_type: str = "acompletion"
 
 
-def _max_output(data: Mapping[str, Any]) -> int | None:
-    found = [data.get(k) for k in ("max_tokens", "max_completion_tokens")]
-    values = [v for v in found if isinstance(v, int) and v > 0]
-    return min(values) if values else None
+def _count(model: str, text: str) -> int:
+    import litellm
+
+    try:
+        return int(litellm.token_counter(model=model, text=text)) if text else 0
+    except Exception:  # an unknown model or text: count characters instead
+        logger.debug("token counting failed; estimating from characters", exc_info=True)
+        return len(text) // 4 + 1
 
 
-def _set_max_output(data: dict[str, Any], tokens: int) -> None:
-    data["max_tokens"] = tokens
-    data["max_completion_tokens"] = tokens
-
-
-def _prompt_tokens(data: Mapping[str, Any]) -> int:
+def _prompt_tokens(kind: Kind, data: Mapping[str, Any]) -> int:
     import litellm
 
     model = str(data.get("model") or "")
-    try:
-        if data.get("messages") is not None:
+    if kind == "chat" and data.get("messages") is not None:
+        try:
             return int(litellm.token_counter(model=model, messages=data["messages"]))
-        prompt = data.get("prompt")
-        if prompt is not None:
-            return int(litellm.token_counter(model=model, text=prompt))
-    except Exception:  # an unknown content shape: count characters instead
-        logger.debug("token counting failed; estimating from characters", exc_info=True)
-    return len(str(data.get("messages") or data.get("prompt") or "")) // 4 + 1
+        except Exception:  # an unknown content shape: count characters instead
+            logger.debug("token counting failed; estimating from characters", exc_info=True)
+            return len(str(data["messages"])) // 4 + 1
+    text, ids = input_text(kind, data)
+    return _count(model, text) + ids
+
+
+def _estimate(kind: Kind, prompt: int, output: int) -> Usage:
+    """The admit's estimate: output kinds reserve their output, embeddings their input;
+    images, audio, rerank, batches and unknown calls one request, and one micro-dollar
+    (no token price applies to them: a dollar budget admits them while it has room left,
+    and the settle charges LiteLLM's cost)."""
+    if has_output(kind):
+        return estimate_of(prompt, output)
+    if kind == "embedding":
+        return estimate_of(prompt, 0)
+    return Usage(requests=1, cost_usd_micros=1)
+
+
+def _call_id(data: Mapping[str, Any]) -> str | None:
+    """LiteLLM's call id (pass-through routes keep it on the logging object only)."""
+    found = data.get("litellm_call_id") or getattr(
+        data.get("litellm_logging_obj"), "litellm_call_id", None
+    )
+    return str(found) if found else None
+
+
+def _cost_of(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def _metadata(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The caller's metadata: ``metadata`` (a JSON string, or ``metadata[NAME]`` fields,
+    on multipart routes such as transcription), else the copy LiteLLM keeps under
+    ``litellm_metadata`` (Responses, ``/v1/messages``)."""
+    found = data.get("metadata")
+    if isinstance(found, str):
+        with contextlib.suppress(ValueError):
+            found = json.loads(found)
+    # The form fields the SDKs send a multipart request's metadata as; the proxy leaves
+    # them apart from the metadata it makes itself.
+    fields = {
+        k[len("metadata[") : -1]: v
+        for k, v in data.items()
+        if isinstance(k, str) and k.startswith("metadata[") and k.endswith("]")
+    }
+    if isinstance(found, Mapping):
+        return {**fields, **found} if fields else found
+    if fields:
+        return fields
+    kept = data.get("litellm_metadata")
+    requester = kept.get("requester_metadata") if isinstance(kept, Mapping) else None
+    return requester if isinstance(requester, Mapping) else {}
 
 
 def _view(user_api_key_dict: Any, data: Mapping[str, Any]) -> RequestView:
@@ -192,7 +295,6 @@ def _view(user_api_key_dict: Any, data: Mapping[str, Any]) -> RequestView:
         value = getattr(user_api_key_dict, name, None)
         return value if isinstance(value, str) and value else None
 
-    metadata = data.get("metadata")
     return RequestView(
         key=attr("api_key") or attr("token"),
         key_alias=attr("key_alias"),
@@ -202,32 +304,8 @@ def _view(user_api_key_dict: Any, data: Mapping[str, Any]) -> RequestView:
         end_user=attr("end_user_id") or data.get("user"),
         org_id=attr("org_id"),
         model=data.get("model"),
-        metadata=metadata if isinstance(metadata, Mapping) else {},
+        metadata=_metadata(data),
     )
-
-
-def _reported(response: Any) -> Usage | None:
-    usage = getattr(response, "usage", None)
-    if usage is None:
-        return None
-    details = getattr(usage, "prompt_tokens_details", None)
-    cost = (getattr(response, "_hidden_params", None) or {}).get("response_cost")
-    return usage_of(
-        int(getattr(usage, "prompt_tokens", 0) or 0),
-        int(getattr(usage, "completion_tokens", 0) or 0),
-        int(getattr(details, "cached_tokens", 0) or 0),
-        float(cost) if isinstance(cost, int | float) else None,
-    )
-
-
-def _chunk_text(item: Any) -> str:
-    parts = []
-    for choice in getattr(item, "choices", None) or []:
-        delta = getattr(choice, "delta", None)
-        content = getattr(delta, "content", None)
-        if isinstance(content, str):
-            parts.append(content)
-    return "".join(parts)
 
 
 class SpendgateLogger(CustomLogger):
@@ -245,6 +323,7 @@ class SpendgateLogger(CustomLogger):
         self._ledger = DegradedLedger()
         self._book: Any = None
         self._book_task: asyncio.Task[None] | None = None
+        self._passed: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -309,25 +388,26 @@ class SpendgateLogger(CustomLogger):
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: str
     ) -> dict[str, Any]:
         """Admit the call (raises :class:`SpendgateRefusal` when refused)."""
-        if call_type not in ENFORCED_CALLS:
+        kind = kind_of(call_type)
+        if kind == "free" or (kind == "unknown" and not self._unknown(call_type)):
             return data
         s = self.settings
         client = self._admission()
-        call_id = str(data.get("litellm_call_id") or uuid.uuid4().hex)
+        call_id = _call_id(data) or uuid.uuid4().hex
         subject = subject_of(s.subject, _view(user_api_key_dict, data))
-        ceiling = _max_output(data)
-        if ceiling is None:
-            ceiling = s.output_allowance
-            _set_max_output(data, ceiling)
-        streaming = bool(data.get("stream"))
-        prompt = _prompt_tokens(data)
-        estimate = estimate_of(prompt, min(s.stream_step, ceiling) if streaming else ceiling)
+        ceiling = 0
+        if has_output(kind):
+            found = max_output(kind, data)
+            ceiling = found if found is not None else set_max_output(kind, data, s.output_allowance)
+        streaming = bool(data.get("stream")) and kind in STREAMING_KINDS
+        prompt = _prompt_tokens(kind, data) if kind != "unknown" else 0
+        estimate = _estimate(kind, prompt, min(s.stream_step, ceiling) if streaming else ceiling)
         try:
             decision = await asyncio.wait_for(
                 client.admit(subject, estimate, request_id=call_id), s.admit_deadline_s
             )
         except BudgetExceeded as exc:
-            DECISIONS.labels(decision="reject").inc()
+            DECISIONS.labels(decision="reject", call_type=call_type).inc()
             raise SpendgateRefusal(refusal_of(exc.decision, s.max_retry_after_s)) from None
         except AdmissionRequestError as exc:
             # The request as mapped cannot be decided (a policy groups by a field the
@@ -335,10 +415,10 @@ class SpendgateLogger(CustomLogger):
             status = exc.status if exc.status in (400, 422) else 503
             raise HTTPException(status, f"spendgate: {exc.message}") from None
         except (AdmissionUnavailable, TimeoutError) as exc:
-            self._unreachable(subject, estimate, str(exc))
+            self._unreachable(subject, estimate, str(exc), call_type)
             return data
-        DECISIONS.labels(decision=decision.decision).inc()
-        self._apply(decision, data)
+        DECISIONS.labels(decision=decision.decision, call_type=call_type).inc()
+        self._apply(kind, decision, data)
         capped = decision.max_output_tokens
         stream = None
         if streaming:
@@ -347,27 +427,46 @@ class SpendgateLogger(CustomLogger):
                 first = estimate_of(prompt, capped)
             step = Usage(output_tokens=s.stream_step)
             stream = AsyncStream(decision, first, step, client)
-        self._remember(call_id, _Call(decision, prompt, stream))
+        self._remember(call_id, _Call(decision, prompt, stream, kind, call_type))
         return data
 
-    def _apply(self, decision: Decision, data: dict[str, Any]) -> None:
+    def _unknown(self, call_type: str) -> bool:
+        """Whether a call type spendgate does not know is admitted (``count``); raises
+        under ``reject``; False under ``pass`` (logged the first time a type passes)."""
+        mode = self.settings.unmetered
+        UNMETERED.labels(call_type=call_type, mode=mode).inc()
+        if mode == "reject":
+            DECISIONS.labels(decision="reject", call_type=call_type).inc()
+            raise SpendgateRefusal(unmetered_refusal(call_type))
+        if mode == "pass":
+            DECISIONS.labels(decision="unmetered", call_type=call_type).inc()
+            if call_type not in self._passed:
+                self._passed.add(call_type)
+                logger.warning(
+                    "LiteLLM call type %r passes unmetered (SPENDGATE_LITELLM_UNMETERED=pass)",
+                    call_type,
+                )
+            return False
+        return True
+
+    def _apply(self, kind: Kind, decision: Decision, data: dict[str, Any]) -> None:
         """Rewrite the request as the decision says."""
-        if decision.max_output_tokens is not None:
-            _set_max_output(data, decision.max_output_tokens)
+        if decision.max_output_tokens is not None and has_output(kind):
+            set_max_output(kind, data, decision.max_output_tokens)
         if decision.decision == "downgrade" and decision.model:
             data["model"] = decision.model
         if decision.decision == "route" and decision.route_to:
             data["model"] = self.settings.route_models.get(decision.route_to, decision.route_to)
 
-    def _unreachable(self, subject: Subject, estimate: Usage, why: str) -> None:
+    def _unreachable(self, subject: Subject, estimate: Usage, why: str, call_type: str) -> None:
         """Admission cannot be reached: the policies' failure mode decides (raises when
         the request is refused)."""
         policies = dict(self._book.policies) if self._book is not None else None
         if not policies:
             if self.settings.unavailable == "closed":
-                DECISIONS.labels(decision="unavailable").inc()
+                DECISIONS.labels(decision="unavailable", call_type=call_type).inc()
                 raise SpendgateRefusal(unavailable_refusal(why))
-            DECISIONS.labels(decision="unmetered").inc()
+            DECISIONS.labels(decision="unmetered", call_type=call_type).inc()
             logger.warning("spendgate unreachable (%s): call passed unmetered", why)
             return
         from spendgate.admission.decide import Planner, fallback_answer
@@ -378,30 +477,51 @@ class SpendgateLogger(CustomLogger):
         try:
             charges = Planner(list(policies.values()), None).charges(subject, estimate)
         except SpendgateError as exc:  # a policy the fallback cannot count: fail closed
-            DECISIONS.labels(decision="unavailable").inc()
+            DECISIONS.labels(decision="unavailable", call_type=call_type).inc()
             raise SpendgateRefusal(unavailable_refusal(f"{why}; {exc}")) from None
         mode = strictest([c.target.policy for c in charges])
         if mode == "closed":
-            DECISIONS.labels(decision="unavailable").inc()
+            DECISIONS.labels(decision="unavailable", call_type=call_type).inc()
             raise SpendgateRefusal(unavailable_refusal(why))
         now_ms = int(time.time() * 1000)
         outcome = fallback_answer(self._ledger, charges, subject.model, now_ms, "", 0)
         if outcome.answer is not None and outcome.answer.status == 429:
-            DECISIONS.labels(decision="reject").inc()
+            DECISIONS.labels(decision="reject", call_type=call_type).inc()
             decision = Decision.model_validate(outcome.answer.body)
             raise SpendgateRefusal(refusal_of(decision, self.settings.max_retry_after_s))
-        DECISIONS.labels(decision="unmetered").inc()
+        DECISIONS.labels(decision="unmetered", call_type=call_type).inc()
         logger.warning("spendgate unreachable (%s): call passed (failure mode %s)", why, mode)
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
     ) -> Any:
-        """Commit what the provider reported (a stream settles when it ends)."""
-        call = self._calls.get(str(data.get("litellm_call_id")))
-        if call is None or call.stream is not None:
+        """Commit what the provider reported (a stream settles when it ends; the kinds
+        outside :data:`ANSWER_SETTLED` on the success event)."""
+        call_id = str(_call_id(data))
+        call = self._calls.get(call_id)
+        if call is None or call.stream is not None or call.kind not in ANSWER_SETTLED:
             return response
-        await self._settle(str(data.get("litellm_call_id")), _reported(response))
+        if call.kind in ("chat", "text"):
+            await self._settle(call_id, reported(response))
+        else:  # a batch, or an unknown call: one request
+            hidden = getattr(response, "_hidden_params", None)
+            cost = hidden.get("response_cost") if isinstance(hidden, Mapping) else None
+            await self._settle(call_id, one_request(_cost_of(cost)))
         return response
+
+    async def async_log_success_event(
+        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        """Commit what a call the answer hook does not settle used, at LiteLLM's cost."""
+        call_id = str(kwargs.get("litellm_call_id"))
+        call = self._calls.get(call_id)
+        if call is None or call.stream is not None or call.kind in ("chat", "text"):
+            return
+        cost = _cost_of(kwargs.get("response_cost"))
+        usage = None
+        if call.kind not in ("speech", "batch", "unknown"):
+            usage = reported(response_obj, cost)
+        await self._settle(call_id, usage or one_request(cost))
 
     async def async_post_call_failure_hook(
         self,
@@ -411,7 +531,7 @@ class SpendgateLogger(CustomLogger):
         traceback_str: str | None = None,
     ) -> None:
         """Release the reservation of a call that failed before producing anything."""
-        call_id = str(request_data.get("litellm_call_id"))
+        call_id = str(_call_id(request_data))
         call = self._calls.get(call_id)
         if call is None or (call.stream is not None and call.stream.usage is not None):
             return  # refused here, or a stream that settles what it produced
@@ -421,22 +541,27 @@ class SpendgateLogger(CustomLogger):
         self, user_api_key_dict: Any, response: Any, request_data: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
         """Pass chunks on while they fit the reservation, extending it in blocks."""
-        import litellm
-
-        call_id = str(request_data.get("litellm_call_id"))
+        call_id = str(_call_id(request_data))
         call = self._calls.get(call_id)
         if call is None or call.stream is None:
             async for item in response:
                 yield item
             return
         stream, model = call.stream, str(request_data.get("model") or "")
+        # /v1/messages streams arrive as the raw SSE bytes of Anthropic's events.
+        sse = SseUsage() if call.kind == "messages" else None
         produced = 0
-        reported: Usage | None = None
+        said: Usage | None = None
         try:
             async for item in response:
-                reported = _reported(item) or reported
-                text = _chunk_text(item)
-                tokens = int(litellm.token_counter(model=model, text=text)) if text else 0
+                if sse is not None:
+                    raw = item if isinstance(item, bytes) else str(item).encode()
+                    text = sse.feed(raw)
+                    said = sse.reported() or said
+                else:
+                    text = chunk_text(call.kind, item)
+                    said = streamed_usage(call.kind, item) or said
+                tokens = _count(model, text)
                 if tokens:
                     usage = estimate_of(call.prompt_tokens, produced + tokens)
                     if not await stream.report(usage):
@@ -448,7 +573,7 @@ class SpendgateLogger(CustomLogger):
                     stream.usage = estimate_of(call.prompt_tokens, 0)
                 yield item
         finally:
-            used = reported or estimate_of(call.prompt_tokens, produced)
+            used = said or estimate_of(call.prompt_tokens, produced)
             # Scheduled first: a client that went away cancels this generator, not the
             # commit; then the provider's stream is closed (it may still be running).
             settling = asyncio.ensure_future(self._settle(call_id, used))
@@ -473,12 +598,12 @@ class SpendgateLogger(CustomLogger):
         try:
             if usage is not None and usage != Usage():
                 await client.commit(rid, usage)
-                SETTLED.labels(outcome="commit").inc()
+                SETTLED.labels(outcome="commit", call_type=call.call_type).inc()
             else:
                 await client.release(rid)
-                SETTLED.labels(outcome="release").inc()
+                SETTLED.labels(outcome="release", call_type=call.call_type).inc()
         except Exception:  # never fail the caller's answer; the reservation expires
-            SETTLED.labels(outcome="failed").inc()
+            SETTLED.labels(outcome="failed", call_type=call.call_type).inc()
             logger.exception("settling reservation %s of call %s failed", rid, call_id)
 
 

@@ -11,63 +11,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from spendgate.schemas.events import ReleaseEvent, ReserveEvent, UsageEvent, parse_event
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_records
-from tests.fixtures.litellm_stack import MASTER_KEY, OUTPUT_ALLOWANCE, LiteLLMStack
+from tests.fixtures.litellm_stack import OUTPUT_ALLOWANCE, LiteLLMStack, Sdk, settled
 from tests.fixtures.openai_stub import PROMPT_TOKENS
 
 pytestmark = pytest.mark.integration
-
-
-class Seen:
-    """Every HTTP attempt the SDK made, and the answers it got."""
-
-    def __init__(self) -> None:
-        self.attempts = 0
-        self.answers: list[httpx.Response] = []
-
-    async def request(self, _: httpx.Request) -> None:
-        self.attempts += 1
-
-    async def response(self, answer: httpx.Response) -> None:
-        self.answers.append(answer)
-
-
-Sdk = Callable[..., tuple[openai.AsyncOpenAI, Seen]]
-
-
-@pytest.fixture
-async def sdk(litellm_stack: LiteLLMStack) -> AsyncIterator[Sdk]:
-    """``sdk(max_retries=0)``: an ``openai`` client of the proxy, closed after the test."""
-    opened: list[openai.AsyncOpenAI] = []
-
-    def make(max_retries: int = 0) -> tuple[openai.AsyncOpenAI, Seen]:
-        seen = Seen()
-        http = httpx.AsyncClient(
-            timeout=60,
-            limits=httpx.Limits(max_connections=256),
-            event_hooks={"request": [seen.request], "response": [seen.response]},
-        )
-        client = openai.AsyncOpenAI(
-            base_url=litellm_stack.proxy_url,
-            api_key=MASTER_KEY,
-            max_retries=max_retries,
-            http_client=http,
-        )
-        opened.append(client)
-        return client, seen
-
-    yield make
-    for client in opened:
-        await client.close()
 
 
 async def chat(
@@ -98,28 +54,6 @@ async def usage_events(
         if until(mine) or time.monotonic() > deadline:
             return mine
         await asyncio.sleep(0.2)
-
-
-def settled(
-    stack: LiteLLMStack,
-    tenant: str,
-    wanted: dict[str, int],
-    timeout_s: float = 30.0,
-    **subject: str,
-) -> dict[str, dict[str, Any]]:
-    """Wait until each policy's ``used`` is as wanted and nothing is reserved any more."""
-    deadline = time.monotonic() + timeout_s
-    budgets: dict[str, dict[str, Any]] = {}
-    while time.monotonic() < deadline:
-        budgets = stack.budgets(tenant, **subject)
-        if all(
-            p in budgets and budgets[p]["used"] == v and budgets[p]["reserved"] == 0
-            for p, v in wanted.items()
-        ):
-            return budgets
-        time.sleep(0.2)
-    got = {p: (b["used"], b["reserved"]) for p, b in budgets.items()}
-    raise AssertionError(f"wanted used {wanted} with nothing reserved; (used, reserved): {got}")
 
 
 @pytest.fixture
