@@ -331,6 +331,34 @@ class TestOtherCallTypes:
             {requests.id: 1, inputs.id: RERANK_TOKENS, cost.id: 2000},
         )
 
+    async def test_a_batch_submission_is_one_request(
+        self, litellm_stack: LiteLLMStack, sdk: Sdk, tenant: str, policy: Callable[..., Any]
+    ) -> None:
+        requests = policy(unit="requests", limit=1)
+        await litellm_stack.apply(requests)
+        client, _ = sdk()
+        batch = await client.batches.create(
+            input_file_id="file-abc",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"tenant": tenant},
+        )
+        assert batch.id.startswith("batch_") and len(litellm_stack.stub.on("batches")) >= 1
+        settled(litellm_stack, tenant, {requests.id: 1})
+        before = len(litellm_stack.stub.on("batches"))
+        # Refused before the provider. LiteLLM 1.108.0 answers every error on this route
+        # with a bare 500 unless the proxy's database client (prisma) is installed: its
+        # error handler imports it first (proxy/utils.py:9190). With it, the 429.
+        with pytest.raises(openai.APIStatusError) as raised:
+            await client.batches.create(
+                input_file_id="file-abc",
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                metadata={"tenant": tenant},
+            )
+        assert raised.value.status_code in (429, 500)
+        assert len(litellm_stack.stub.on("batches")) == before
+
     async def test_an_unknown_call_type_is_counted_as_one_request(
         self, litellm_stack: LiteLLMStack, sdk: Sdk, tenant: str, policy: Callable[..., Any]
     ) -> None:
@@ -345,6 +373,25 @@ class TestOtherCallTypes:
         with pytest.raises(openai.RateLimitError):
             await client.moderations.create(model="moderation", input="hi", extra_body=meta(tenant))
         assert len(litellm_stack.stub.on("moderations")) == before
+
+
+class TestRoutesOutsideTheHook:
+    @pytest.mark.parametrize(
+        "path", ["/v1/threads/thread_1/runs", "/v1/assistants", "/queue/chat/completions"]
+    )
+    async def test_are_closed_by_allowed_routes(
+        self, litellm_stack: LiteLLMStack, path: str
+    ) -> None:
+        before = len(litellm_stack.stub.served)
+        async with httpx.AsyncClient(timeout=30) as http:
+            answer = await http.post(
+                f"{litellm_stack.proxy_url}{path}",
+                headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                json={"model": "big", "assistant_id": "a", "messages": []},
+            )
+        assert answer.status_code == 403, answer.text
+        assert "not allowed" in answer.text
+        assert len(litellm_stack.stub.served) == before
 
 
 Call = Callable[[], Awaitable[Any]]
