@@ -384,18 +384,19 @@ local function key_hold(x, entry, amount, now)
     elseif newest == field then
       if q.tail_amounts then held = q.tail_amounts[#tail] or 0 end
     else
-      -- The clock went back a bucket or more: in order before the newer entries (only
-      -- the last ones are looked at; an entry out of order counts until the one before it
-      -- leaves, never less).
+      -- The clock went back a bucket or more (or the policy's bucket narrowed): into its
+      -- own bucket when the last entries hold it, else into the newest bucket, which
+      -- counts now and leaves the window later than its own (windows.pending_now): never
+      -- less, and the queue stays in order (an entry inserted out of order would be
+      -- pruned late and its amount subtracted twice).
       if q.fast then tail = redis.call('LRANGE', x.pqkey, -4, -1) end
-      local before, known = nil, false
+      local known = false
       for i = #tail, 1, -1 do
         if tail[i] == field then known = true end
-        if tonumber(tail[i]) > tonumber(field) then before = tail[i] end
       end
       if not known then
-        redis.call('LINSERT', x.pqkey, 'BEFORE', before, field)
-        ends = {PENDING_HEAD, redis.call('LINDEX', x.pqkey, 0)}
+        field = newest
+        if q.tail_amounts and not q.fast then held = q.tail_amounts[#tail] or 0 end
       end
     end
     local total_text = string.format('%d', total + amount)
