@@ -554,24 +554,32 @@ class SpendgateLogger(CustomLogger):
         said: Usage | None = None
         try:
             async for item in response:
-                if sse is not None:
+                if sse is not None:  # passed on event by event, so a stop is exact
                     raw = item if isinstance(item, bytes) else str(item).encode()
-                    text = sse.feed(raw)
+                    pieces = sse.events(raw)
                     said = sse.reported() or said
                 else:
-                    text = chunk_text(call.kind, item)
+                    pieces = [(item, chunk_text(call.kind, item))]
                     said = streamed_usage(call.kind, item) or said
-                tokens = _count(model, text)
-                if tokens:
-                    usage = estimate_of(call.prompt_tokens, produced + tokens)
-                    if not await stream.report(usage):
-                        STREAMS_STOPPED.inc()
-                        logger.info("stream %s stopped: %s", call_id, stream.refusal)
-                        break
-                    produced += tokens
-                elif stream.usage is None:
-                    stream.usage = estimate_of(call.prompt_tokens, 0)
-                yield item
+                stopped = False
+                for piece, text in pieces:
+                    tokens = _count(model, text)
+                    if tokens:
+                        usage = estimate_of(call.prompt_tokens, produced + tokens)
+                        if not await stream.report(usage):
+                            STREAMS_STOPPED.inc()
+                            logger.info("stream %s stopped: %s", call_id, stream.refusal)
+                            stopped = True
+                            break
+                        produced += tokens
+                    elif stream.usage is None:
+                        stream.usage = estimate_of(call.prompt_tokens, 0)
+                    yield piece
+                if stopped:
+                    break
+            else:
+                if sse is not None and sse.pending:  # an unterminated last event
+                    yield sse.pending
         finally:
             used = said or estimate_of(call.prompt_tokens, produced)
             # Scheduled first: a client that went away cancels this generator, not the

@@ -255,14 +255,19 @@ class SseUsage:
 
     pending: bytes = b""
     usage: dict[str, int] = field(default_factory=dict)
-    seen_usage: bool = False
+    #: ``message_delta`` came: the usage is the stream's final count.
+    final: bool = False
 
-    def feed(self, chunk: bytes) -> str:
-        """Read a chunk; returns the text it completed."""
+    def events(self, chunk: bytes) -> list[tuple[bytes, str]]:
+        """Read a chunk; returns each event it completed (its bytes, as passed on) with
+        the text it adds. What is left of an event waits in :attr:`pending`."""
         self.pending += chunk
-        *whole, self.pending = self.pending.split(b"\n")
+        *whole, self.pending = self.pending.split(b"\n\n")
+        return [(raw + b"\n\n", self._read(raw)) for raw in whole]
+
+    def _read(self, raw: bytes) -> str:
         text = []
-        for line in whole:
+        for line in raw.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
             try:
@@ -281,18 +286,18 @@ class SseUsage:
                 self._merge((event.get("message") or {}).get("usage"))
             elif kind == "message_delta":
                 self._merge(event.get("usage"))
+                self.final = True
         return "".join(text)
 
     def _merge(self, usage: Any) -> None:
         if isinstance(usage, dict):
-            self.seen_usage = True
             for key, value in usage.items():
                 if isinstance(value, int) and not isinstance(value, bool):
                     self.usage[key] = value
 
     def reported(self) -> Usage | None:
         """The usage the stream reported, once its ``message_delta`` came."""
-        if not self.seen_usage or "output_tokens" not in self.usage:
+        if not self.final or "output_tokens" not in self.usage:
             return None
         return _usage_of(self.usage, None)
 

@@ -202,6 +202,13 @@ class TestReported:
 
     def test_an_anthropic_stream_read_across_chunks(self, calls: ModuleType) -> None:
         sse = calls.SseUsage()
+        start = (
+            b'event: message_start\ndata: {"type": "message_start", "message": {"usage": '
+            b'{"input_tokens": 32, "output_tokens": 1}}}\n\n'
+        )
+        sse.events(start)
+        assert sse.reported() is None  # message_start's count is not the stream's
+        sse = calls.SseUsage()
         raw = (
             b'event: message_start\ndata: {"type": "message_start", "message": {"usage": '
             b'{"input_tokens": 32, "cache_read_input_tokens": 8, "output_tokens": 1}}}\n\n'
@@ -210,8 +217,9 @@ class TestReported:
             b'event: message_delta\ndata: {"type": "message_delta", "delta": {}, '
             b'"usage": {"output_tokens": 2}}\n\n'
         )
-        texts = [sse.feed(raw[i : i + 7]) for i in range(0, len(raw), 7)]
-        assert "".join(texts) == " a"
+        events = [e for i in range(0, len(raw), 7) for e in sse.events(raw[i : i + 7])]
+        assert b"".join(piece for piece, _ in events) == raw and sse.pending == b""
+        assert [text for _, text in events] == ["", " a", ""]
         assert sse.reported() == Usage(
             requests=1, input_tokens=32, cached_input_tokens=8, output_tokens=2
         )
