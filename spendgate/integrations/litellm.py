@@ -96,6 +96,8 @@ STREAMING_KINDS: frozenset[Kind] = frozenset({"chat", "text", "responses", "mess
 #: the others from the success event (which carries LiteLLM's cost, and fires on the
 #: routes without that hook: speech, transcription, rerank).
 ANSWER_SETTLED: frozenset[Kind] = frozenset({"chat", "text", "batch", "unknown"})
+#: A batch status whose usage LiteLLM reports as final.
+BATCH_FINAL = frozenset({"completed", "complete", "failed", "cancelled", "expired"})
 
 #: Calls remembered between their admit and their settle (older ones expire in spendgate).
 MAX_OPEN_CALLS = 100_000
@@ -216,6 +218,7 @@ class _Call:
     stream: AsyncStream | None
     kind: Kind = "chat"
     call_type: str = "acompletion"
+    subject: Subject | None = None
 
 
 def _count(model: str, text: str) -> int:
@@ -260,6 +263,30 @@ def _call_id(data: Mapping[str, Any]) -> str | None:
         data.get("litellm_logging_obj"), "litellm_call_id", None
     )
     return str(found) if found else None
+
+
+def _event_view(kwargs: Mapping[str, Any], batch: Any) -> RequestView:
+    """Who a success event's call was for, from the metadata LiteLLM logs with it (the
+    key that made the call), and the batch's own metadata for ``metadata.NAME``."""
+    params = kwargs.get("litellm_params")
+    found = params.get("metadata") if isinstance(params, Mapping) else None
+    meta: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+
+    def get(name: str) -> str | None:
+        value = meta.get(name)
+        return value if isinstance(value, str) and value else None
+
+    own = getattr(batch, "metadata", None)
+    return RequestView(
+        key=get("user_api_key_hash"),
+        key_alias=get("user_api_key_alias"),
+        team_id=get("user_api_key_team_id"),
+        team_alias=get("user_api_key_team_alias"),
+        user_id=get("user_api_key_user_id"),
+        end_user=get("user_api_key_end_user_id"),
+        org_id=get("user_api_key_org_id"),
+        metadata=own if isinstance(own, Mapping) else {},
+    )
 
 
 def _cost_of(value: Any) -> float | None:
@@ -324,6 +351,10 @@ class SpendgateLogger(CustomLogger):
         self._book: Any = None
         self._book_task: asyncio.Task[None] | None = None
         self._passed: set[str] = set()
+        #: Batch id -> the subject that submitted it, and the batches whose usage was
+        #: committed (a completed batch is retrieved, and reported, on every poll).
+        self._batch_subjects: OrderedDict[str, Subject] = OrderedDict()
+        self._batches_done: OrderedDict[str, None] = OrderedDict()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -427,7 +458,7 @@ class SpendgateLogger(CustomLogger):
                 first = estimate_of(prompt, capped)
             step = Usage(output_tokens=s.stream_step)
             stream = AsyncStream(decision, first, step, client)
-        self._remember(call_id, _Call(decision, prompt, stream, kind, call_type))
+        self._remember(call_id, _Call(decision, prompt, stream, kind, call_type, subject))
         return data
 
     def _unknown(self, call_type: str) -> bool:
@@ -504,6 +535,7 @@ class SpendgateLogger(CustomLogger):
         if call.kind in ("chat", "text"):
             await self._settle(call_id, reported(response))
         else:  # a batch, or an unknown call: one request
+            self._submitted(call, response)
             hidden = getattr(response, "_hidden_params", None)
             cost = hidden.get("response_cost") if isinstance(hidden, Mapping) else None
             await self._settle(call_id, one_request(_cost_of(cost)))
@@ -512,7 +544,11 @@ class SpendgateLogger(CustomLogger):
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
-        """Commit what a call the answer hook does not settle used, at LiteLLM's cost."""
+        """Commit what a call the answer hook does not settle used, at LiteLLM's cost; and
+        a completed batch's usage, the first time a retrieval reports it."""
+        if kwargs.get("call_type") == "aretrieve_batch":
+            await self._batch_usage(kwargs, response_obj)
+            return
         call_id = str(kwargs.get("litellm_call_id"))
         call = self._calls.get(call_id)
         if call is None or call.stream is not None or call.kind in ("chat", "text"):
@@ -521,7 +557,57 @@ class SpendgateLogger(CustomLogger):
         usage = None
         if call.kind not in ("speech", "batch", "unknown"):
             usage = reported(response_obj, cost)
+        self._submitted(call, response_obj)
         await self._settle(call_id, usage or one_request(cost))
+
+    def _submitted(self, call: _Call, response: Any) -> None:
+        """Remember who submitted a batch, to charge its usage to them."""
+        batch_id = getattr(response, "id", None)
+        if call.kind == "batch" and call.subject is not None and isinstance(batch_id, str):
+            self._batch_subjects[batch_id] = call.subject
+            while len(self._batch_subjects) > MAX_OPEN_CALLS:
+                self._batch_subjects.popitem(last=False)
+
+    async def _batch_usage(self, kwargs: Mapping[str, Any], batch: Any) -> None:
+        """Commit a finished batch's tokens and cost (LiteLLM computes them from its output
+        file on a retrieval), once: admitted with an empty estimate under the request id
+        ``batch-<id>`` (admission repeats the first answer), then committed as an overage.
+        The submission was the batch's request; this adds none."""
+        batch_id = getattr(batch, "id", None)
+        if not isinstance(batch_id, str) or getattr(batch, "usage", None) is None:
+            return
+        if getattr(batch, "status", None) not in BATCH_FINAL or batch_id in self._batches_done:
+            return
+        hidden = getattr(batch, "_hidden_params", None)
+        cost = _cost_of(kwargs.get("response_cost")) or _cost_of(
+            hidden.get("response_cost") if isinstance(hidden, Mapping) else None
+        )
+        used = reported(batch, cost)
+        if used is None:
+            return
+        used = used.model_copy(update={"requests": 0})
+        subject = self._batch_subjects.get(batch_id) or subject_of(
+            self.settings.subject, _event_view(kwargs, batch)
+        )
+        self._batches_done[batch_id] = None
+        while len(self._batches_done) > MAX_OPEN_CALLS:
+            self._batches_done.popitem(last=False)
+        client = self._admission()
+        try:
+            # Empty, with a cost of its own: nothing to price (the commit brings the cost).
+            empty = Usage(cost_usd_micros=0)
+            decision = await client.admit(subject, empty, request_id=f"batch-{batch_id}")
+            if decision.reservation_id is not None and used != Usage():
+                await client.commit(decision.reservation_id, used)
+            SETTLED.labels(outcome="commit", call_type="aretrieve_batch").inc()
+        except BudgetExceeded:
+            # Already spent, and nowhere to put it: said, never silent.
+            SETTLED.labels(outcome="refused", call_type="aretrieve_batch").inc()
+            logger.warning("batch %s: its usage %s was refused by its budgets", batch_id, used)
+        except Exception:  # a later retrieval tries again
+            del self._batches_done[batch_id]
+            SETTLED.labels(outcome="failed", call_type="aretrieve_batch").inc()
+            logger.exception("committing the usage of batch %s failed", batch_id)
 
     async def async_post_call_failure_hook(
         self,

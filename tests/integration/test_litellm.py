@@ -30,6 +30,8 @@ from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_records
 from tests.fixtures.litellm_stack import MASTER_KEY, OUTPUT_ALLOWANCE, LiteLLMStack, Sdk, settled
 from tests.fixtures.openai_stub import (
+    BATCH_LINES,
+    BATCH_USAGE,
     CACHED_TOKENS,
     EMBED_TOKENS,
     IMAGE_USAGE,
@@ -634,6 +636,39 @@ class TestOtherCallTypes:
         assert raised.value.status_code in (429, 500)
         assert len(litellm_stack.stub.on("batches")) == before
 
+    async def test_a_finished_batchs_usage_is_committed_once(
+        self, litellm_stack: LiteLLMStack, sdk: Sdk, tenant: str, policy: Callable[..., Any]
+    ) -> None:
+        requests = policy(unit="requests", limit=100)
+        inputs = policy(unit="input_tokens", limit=100_000)
+        output = policy(unit="output_tokens", limit=100_000)
+        cost = policy(unit="cost_usd", limit=10_000_000)
+        await litellm_stack.apply(requests, inputs, output, cost)
+        client, _ = sdk()
+        batch = await client.batches.create(
+            input_file_id="file-abc",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"tenant": tenant},
+        )
+        settled(litellm_stack, tenant, {requests.id: 1, inputs.id: 0})
+        # Each retrieval of the completed batch reports its usage; it counts once.
+        for _ in range(2):
+            done = await client.batches.retrieve(batch.id)
+            assert done.status == "completed"
+        lines = BATCH_LINES
+        budgets = settled(
+            litellm_stack,
+            tenant,
+            {
+                requests.id: 1,
+                inputs.id: lines * BATCH_USAGE["prompt_tokens"],
+                output.id: lines * BATCH_USAGE["completion_tokens"],
+            },
+        )
+        # gpt-4o-mini at LiteLLM's batch prices (half its list prices), per token.
+        assert budgets[cost.id]["used"] > 0
+
     async def test_an_unknown_call_type_is_counted_as_one_request(
         self, litellm_stack: LiteLLMStack, sdk: Sdk, tenant: str, policy: Callable[..., Any]
     ) -> None:
@@ -655,18 +690,34 @@ class TestRoutesOutsideTheHook:
         "path", ["/v1/threads/thread_1/runs", "/v1/assistants", "/queue/chat/completions"]
     )
     async def test_are_closed_by_allowed_routes(
-        self, litellm_stack: LiteLLMStack, path: str
+        self, litellm_stack: LiteLLMStack, closed_proxy_url: str, path: str
     ) -> None:
         before = len(litellm_stack.stub.served)
         async with httpx.AsyncClient(timeout=30) as http:
             answer = await http.post(
-                f"{litellm_stack.proxy_url}{path}",
+                f"{closed_proxy_url}{path}",
                 headers={"Authorization": f"Bearer {MASTER_KEY}"},
                 json={"model": "big", "assistant_id": "a", "messages": []},
             )
         assert answer.status_code == 403, answer.text
         assert "not allowed" in answer.text
         assert len(litellm_stack.stub.served) == before
+
+    async def test_the_metered_routes_stay_open(
+        self, litellm_stack: LiteLLMStack, closed_proxy_url: str, tenant: str
+    ) -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            answer = await http.post(
+                f"{closed_proxy_url}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                json={
+                    "model": "big",
+                    "messages": [{"role": "user", "content": "tokens=2"}],
+                    **meta(tenant),
+                },
+            )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 2
 
 
 Call = Callable[[], Awaitable[Any]]
