@@ -24,6 +24,8 @@ and configure it with ``SPENDGATE_LITELLM_*`` environment variables
   failure** the reservation is released. An SDK retry is a new call with a new id: the
   failed attempt's failure hook released its reservation, so a retried request is
   charged once.
+* **Batches**: a submission is one request; a finished batch's tokens and cost are
+  committed once, when a retrieval through the proxy reports them.
 * **Streams** reserve a first block of output and extend in blocks of ``stream_step``
   tokens; a refused extend ends the stream there. However a stream ends (completed,
   stopped, abandoned by its client, failed) what it produced is committed.
