@@ -65,12 +65,18 @@ def _count(integration: ModuleType, call_type: str, mode: str) -> float:
     return float(value)
 
 
+def _decided(integration: ModuleType, decision: str, call_type: str) -> float:
+    value = integration.DECISIONS.labels(decision=decision, call_type=call_type)._value.get()
+    return float(value)
+
+
 class TestUnmetered:
     async def test_reject_refuses_an_unknown_call_type_with_a_clear_error(
         self, integration: ModuleType
     ) -> None:
         handler = _handler(integration, unmetered="reject")
         before = _count(integration, "avideo_generation", "reject")
+        decided = _decided(integration, "reject", "avideo_generation")
         with pytest.raises(integration.SpendgateRefusal) as refused:
             await handler.async_pre_call_hook(
                 KEY, None, {"model": "sora", "prompt": "x"}, "avideo_generation"
@@ -82,6 +88,7 @@ class TestUnmetered:
         assert error.headers["x-should-retry"] == "false"
         assert error.provider_specific_fields["spendgate"]["call_type"] == "avideo_generation"
         assert _count(integration, "avideo_generation", "reject") == before + 1
+        assert _decided(integration, "reject", "avideo_generation") == decided + 1
         # Known call types are still admitted (here: admission unreachable, closed).
         with pytest.raises(integration.SpendgateRefusal) as unavailable:
             await handler.async_pre_call_hook(KEY, None, {"model": "m", "input": "x"}, "aembedding")
@@ -93,12 +100,15 @@ class TestUnmetered:
     ) -> None:
         handler = _handler(integration, unmetered="pass")
         data = {"model": "m", "input": "x"}
+        before = _count(integration, "asearch", "pass")
         with caplog.at_level(logging.WARNING, logger=integration.__name__):
             for _ in range(3):
                 assert await handler.async_pre_call_hook(KEY, None, dict(data), "asearch") == data
             await handler.async_pre_call_hook(KEY, None, dict(data), "aocr")
         said = [r.getMessage() for r in caplog.records if "passes unmetered" in r.getMessage()]
         assert len(said) == 2 and "'asearch'" in said[0] and "'aocr'" in said[1]
+        # Passed, yet counted by type: never silently.
+        assert _count(integration, "asearch", "pass") == before + 3
         await handler.aclose()
 
     async def test_count_is_the_default_and_admits_one_request(
