@@ -475,6 +475,36 @@ class TestMessages:
         assert got == 300
         settled(litellm_stack, tenant, {output.id: 300})
 
+    async def test_an_abandoned_stream_is_charged_what_it_produced(
+        self,
+        litellm_stack: LiteLLMStack,
+        claude: anthropic.AsyncAnthropic,
+        tenant: str,
+        policy: Callable[..., Any],
+    ) -> None:
+        requests = policy(unit="requests", limit=100)
+        output = policy(unit="output_tokens", limit=100_000)
+        await litellm_stack.apply(requests, output)
+        before = len(litellm_stack.stub.served)
+        stream = await claude.messages.create(
+            model="claude",
+            max_tokens=1000,
+            messages=[{"role": "user", "content": "tokens=1000 stall=3"}],
+            extra_body=meta(tenant),
+            stream=True,
+        )
+        read = 0
+        async with asyncio.timeout(30):
+            async for event in stream:
+                if event.type == "content_block_delta":
+                    read += 1
+                if read == 3:
+                    break
+        await stream.close()  # the client hangs up while the provider's stream is open
+        [served] = litellm_stack.stub.served[before:]
+        assert served.route == "messages" and served.chunks_sent == read == 3
+        settled(litellm_stack, tenant, {requests.id: 1, output.id: 3})
+
     async def test_a_refusal_is_anthropic_shaped_and_keeps_its_headers(
         self,
         litellm_stack: LiteLLMStack,
