@@ -16,10 +16,11 @@ Variants (``--variant``), each run in its own process with a fresh seed, one at 
   kill 1, so partitions move between the kills, and kept running to the end.
 * ``all``: the driven variants in turn; or a comma-separated list of variants, in turn.
 
-In ``twokill`` and ``catchup`` each kill is also measured: the usage records below the
-group's committed offset that the killed worker's table (the folder the next worker
-starts on) had not applied, which the next worker never reads again
-(``unapplied_at_kills``).
+Each kill is also measured: the usage records below the group's committed offset that the
+table the next worker starts from has not applied, which it never reads again: in
+``twokill`` and ``catchup`` the killed worker's folder as faust recovers it
+(``unapplied_at_kills``), and in every driven variant a folder that is empty, the table
+from the changelog alone (``fresh``).
 
 Each run checks, once the group has read every usage record, that Redis holds the exact
 ledger bucket for bucket (120 s at most). Nothing is written into the repository: the
@@ -74,6 +75,9 @@ class Outcome:
     #: table had not applied (the next worker never reads them again), with a sample.
     unapplied_at_kills: list[int] = field(default_factory=list)
     unapplied_sample: list[str] = field(default_factory=list)
+    #: The same for a worker starting on an empty folder (its table from the changelog
+    #: alone, as after a move to another machine or a wiped folder).
+    unapplied_fresh_at_kills: list[int] = field(default_factory=list)
 
     @property
     def race(self) -> bool:
@@ -234,12 +238,17 @@ async def _drive(variant: str, tmp: Path, outcome: Outcome) -> None:
     async def kill(proc: subprocess.Popen[bytes]) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        stem = f"{policy.id}|tenant="
         if variant in ("twokill", "catchup"):
             # The next worker starts on the same folder and resumes at the group's commit:
             # what that folder's table lacks below the commit is never read again.
-            n, sample = await unapplied(settings, f"{policy.id}|tenant=", tmp / "tables")
+            n, sample = await unapplied(settings, stem, tmp / "tables")
             outcome.unapplied_at_kills.append(n)
             outcome.unapplied_sample += sample
+        # A worker on an empty folder: its table is the changelog alone.
+        n, sample = await unapplied(settings, stem, None)
+        outcome.unapplied_fresh_at_kills.append(n)
+        outcome.unapplied_sample += sample
 
     async def joined(name: str, times: int = 1) -> None:
         """Wait until worker ``name`` joined the group ``times`` times (its log says so)."""
@@ -301,7 +310,7 @@ async def _drive(variant: str, tmp: Path, outcome: Outcome) -> None:
         client.close()
 
 
-async def unapplied(settings: Any, key_stem: str, data_dir: Path) -> tuple[int, list[str]]:
+async def unapplied(settings: Any, key_stem: str, data_dir: Path | None) -> tuple[int, list[str]]:
     """The usage records below the group's committed offset that the table the next worker
     starts from has not applied: a worker started on ``data_dir`` (a killed worker's
     folder) resumes at the committed offset and never reads them again.
@@ -326,7 +335,12 @@ async def unapplied(settings: Any, key_stem: str, data_dir: Path) -> tuple[int, 
     for rec in await read_records(settings.kafka_bootstrap, changelog):
         logged.setdefault(rec.partition, []).append(rec)
     values: dict[bytes, bytes | None] = {}
-    for db_path in sorted((data_dir / "v1" / "tables").glob("keystate-*.db")):
+    folder = None if data_dir is None else data_dir / "v1" / "tables"
+    for partition in sorted(set(logged) - _partitions_in(folder)):
+        for rec in logged[partition]:  # no database: the whole changelog
+            if rec.key is not None:
+                values[rec.key] = rec.value
+    for db_path in sorted(folder.glob("keystate-*.db")) if folder is not None else []:
         partition = int(db_path.stem.rsplit("-", 1)[1])
         db = Rdict(str(db_path), Options(raw_mode=True), access_type=AccessType.read_only())
         try:
@@ -359,6 +373,13 @@ async def unapplied(settings: Any, key_stem: str, data_dir: Path) -> tuple[int, 
                 f"{None if state is None else state.offsets.get(rec.partition)}"
             )
     return len(missing), missing[:5]
+
+
+def _partitions_in(folder: Path | None) -> set[int]:
+    """The table partitions with a database in ``folder``."""
+    if folder is None:
+        return set()
+    return {int(p.stem.rsplit("-", 1)[1]) for p in folder.glob("keystate-*.db")}
 
 
 def _explain(held: dict[str, dict[int, int]], work: Any) -> list[dict[str, Any]]:
@@ -423,11 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"run {o.run}/{args.runs} {o.variant} seed={o.seed} {verdict} {o.seconds:.0f}s "
             f"cells_differing={o.cells_differing} lost={o.units_lost} "
-            f"double={o.units_double_counted} unapplied_at_kills={o.unapplied_at_kills}"
-            + ("" if o.passed else f" | {o.tail}"),
+            f"double={o.units_double_counted} unapplied_at_kills={o.unapplied_at_kills} "
+            f"fresh={o.unapplied_fresh_at_kills}" + ("" if o.passed else f" | {o.tail}"),
             flush=True,
         )
-        if any(o.unapplied_at_kills):
+        if any(o.unapplied_at_kills) or any(o.unapplied_fresh_at_kills):
             print(f"    unapplied below the committed offset at the kills: "
                   f"{o.unapplied_at_kills} {o.unapplied_sample}", flush=True)  # fmt: skip
         for cell in o.cells:
