@@ -60,7 +60,7 @@ async def read_budgets(
     plans = [Plan(subject, tuple(dataclasses.replace(c, alt=0) for c in plan.charges))]
     result = await store.admit("", uuid.uuid4().hex, plans, 0, read_only=True)
     charges = plans[0].charges
-    held = await store.buckets(charges, result.now_ms)
+    held = await store.buckets(charges)
     ahead = [
         forecast(
             WindowSpec(p.window_ms, p.bucket_ms, p.boundary), b, result.now_ms, limit=p.limit

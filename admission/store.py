@@ -543,10 +543,9 @@ class BudgetStore:
         """The shard prefix of a charge's budget key (the prefix without a cluster)."""
         return self.layout.shard(self.shard_of(charge)) if self.layout.cluster else self.prefix
 
-    async def buckets(self, charges: Sequence[Charge], now_ms: int) -> list[dict[int, int]]:
+    async def buckets(self, charges: Sequence[Charge]) -> list[dict[int, int]]:
         """Each charge's budget key: its absorbed window plus its pending reservations,
-        bucket by bucket (what the admit script counts at ``now_ms``, the Redis clock), in
-        one pipeline.
+        bucket by bucket (what the admit script counts), in one pipeline.
 
         Raises:
             StoreUnavailable: Redis did not answer.
@@ -565,7 +564,7 @@ class BudgetStore:
         raw = await self._call("windows", read)
         return [
             window_codec.read_held(
-                raw[3 * i], c.target.policy.bucket_ms, now_ms, raw[3 * i + 1], raw[3 * i + 2]
+                raw[3 * i], c.target.policy.bucket_ms, raw[3 * i + 1], raw[3 * i + 2]
             )
             for i, c in enumerate(charges)
         ]

@@ -54,8 +54,7 @@ def held(policy: Policy, window: bytes | None, pending: Mapping[Any, Any], now_m
     """``key``'s absorbed and pending buckets combined at ``now_ms`` (``windows.Held``)."""
     spec = spec_of(policy)
     live = window_codec.decode_pending(pending, spec.bucket_ms)
-    absorbed = window_codec.read(window, spec.bucket_ms, now_ms)
-    return windows.combine(spec, absorbed, live, now_ms)
+    return windows.combine(spec, window_codec.read(window, spec.bucket_ms), live, now_ms)
 
 
 def key_row(
@@ -96,7 +95,7 @@ def window_series(
     absorbed and the pending amount) and the trailing total at each bucket's end, with
     the limit; times are ms on the Redis clock."""
     spec = spec_of(policy)
-    absorbed = window_codec.read(window, spec.bucket_ms, now_ms)
+    absorbed = window_codec.read(window, spec.bucket_ms)
     pending_b = window_codec.decode_pending(pending, spec.bucket_ms)
     h = held(policy, window, pending, now_ms)
     head = spec.bucket_of(now_ms)

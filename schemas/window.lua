@@ -3,10 +3,10 @@
 -- cases).
 -- Library: local functions only; it reads no script keys or arguments and sets no globals.
 -- Provides:
---   window_decode(raw, bucket_ms, t_ms) -> starts, amounts, n: a value written by
+--   window_decode(raw, bucket_ms) -> starts, amounts, n: a value written by
 --     window_codec.encode, version 1 or 2 (raw false for a missing key: empty), as
 --     parallel arrays sorted by bucket start in bucket_ms buckets; a value stored in
---     another width (the policy's bucket changed) is moved as windows.rebucket does at t_ms;
+--     another width (the policy's bucket changed) is moved as windows.rebucket does;
 --     raises on an unknown version. Work: O(buckets).
 --   window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary) -> total
 --   window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary, limit,
@@ -17,8 +17,7 @@
 --   window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary) -> starts, amounts,
 --     n, absorbed, pending_part, stale: the absorbed window raw plus the pending window (an
 --     HGETALL reply, or several concatenated, as window_codec.decode_pending reads them:
---     a version-2 hash's total field is skipped) bucket by bucket, as windows.combine (a
---     pending bucket after the bucket of now counts in it too: windows.pending_now);
+--     a version-2 hash's total field is skipped) bucket by bucket, as windows.combine;
 --     stale lists the pending fields that can no longer count (to prune).
 --     Work: O(buckets in the window), whatever the number of open reservations.
 --   window_pending_field(t_ms, bucket_ms) -> the pending-window field of an amount admitted
@@ -67,7 +66,7 @@ local function window_check_boundary(boundary)
 end
 
 -- Decode the compact layout (see schemas/window_codec.py) into sorted arrays.
-local function window_decode(raw, bucket_ms, t_ms)
+local function window_decode(raw, bucket_ms)
   local starts, amounts, n = {}, {}, 0
   if not raw then return starts, amounts, 0 end
   local version = string.byte(raw, 1)
@@ -118,36 +117,25 @@ local function window_decode(raw, bucket_ms, t_ms)
     error('spendgate window state: unknown kind ' .. tostring(kind))
   end
   if stored_ms ~= bucket_ms then
-    -- The policy's bucket changed and the worker has not rewritten this key yet: as
-    -- schemas.windows.rebucket (and the worker) moves it at t_ms, an old bucket that had
-    -- ended to the new bucket of its last millisecond; one that had not, also to the new
-    -- bucket of its first (a net refund only to the later one).
-    local by_start, order = {}, {}
-    local function put(start, amount)
-      if by_start[start] then
-        by_start[start] = by_start[start] + amount
-      else
-        order[#order + 1] = start
-        by_start[start] = amount
-      end
-    end
+    -- The policy's bucket changed and the worker has not rewritten this key yet: move each
+    -- old bucket to the new bucket holding its last millisecond (schemas.windows.rebucket,
+    -- as the worker will), so nothing ages out earlier than before.
+    local ns, na, nn = {}, {}, 0
     for i = 1, n do
-      local s, amount = starts[i], amounts[i]
-      local last = s + stored_ms - 1
-      local e = last - window_mod(last, bucket_ms)
-      if last > t_ms and amount > 0 then
-        local a = s - window_mod(s, bucket_ms)
-        if a ~= e then put(a, amount) end
+      local last = starts[i] + stored_ms - 1
+      local target = last - window_mod(last, bucket_ms)
+      if nn > 0 and ns[nn] == target then
+        na[nn] = na[nn] + amounts[i]
+      else
+        nn = nn + 1
+        ns[nn], na[nn] = target, amounts[i]
       end
-      put(e, amount)
     end
-    table.sort(order)
     starts, amounts, n = {}, {}, 0
-    for i = 1, #order do
-      local v = by_start[order[i]]
-      if v ~= 0 then
+    for i = 1, nn do
+      if na[i] ~= 0 then
         n = n + 1
-        starts[n], amounts[n] = order[i], v
+        starts[n], amounts[n] = ns[i], na[i]
       end
     end
   end
@@ -170,7 +158,7 @@ local function window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boun
   local full, edge = 0, 0
   for i = 1, n do
     local s = starts[i]
-    if s >= oldest_full and s <= head then
+    if s >= oldest_full then  -- a bucket after head counts now too (windows.total)
       full = full + amounts[i]
     elseif s == edge_start then
       edge = amounts[i]
@@ -217,22 +205,20 @@ local function window_retry_after(starts, amounts, n, t_ms, window_ms, bucket_ms
   for i = 1, n do
     local s = starts[i]
     by_start[s] = amounts[i]
-    -- Only periods where a bucket enters (as the head) or is the boundary can differ
-    -- from the previous period's last millisecond: solve those and the current one.
+    -- Every recorded bucket counts from now on (those after head too): only periods where
+    -- one leaves or is the boundary can differ from the previous period's last
+    -- millisecond: solve those and the current one.
     if s > head then np = np + 1; periods[np] = s end
     if s + window_ms > head then np = np + 1; periods[np] = s + window_ms end
   end
   table.sort(periods)
   local room = limit - extra - amount
-  local lo, hi, full, previous = 1, 1, 0, nil
+  local lo, hi, full, previous = 1, n + 1, 0, nil
+  for i = 1, n do full = full + amounts[i] end
   for j = 1, np do
     local period = periods[j]
     if period ~= previous then
       previous = period
-      while hi <= n and starts[hi] <= period do
-        full = full + amounts[hi]
-        hi = hi + 1
-      end
       local oldest_full = period - window_ms + bucket_ms
       while lo < hi and starts[lo] < oldest_full do
         full = full - amounts[lo]
@@ -271,34 +257,24 @@ end
 -- The absorbed window plus the pending window (HGETALL reply: a bucket's last ms ->
 -- amount), as schemas.windows.combine after schemas.window_codec.decode_pending.
 local function window_combine(raw, pending, t_ms, window_ms, bucket_ms, boundary)
-  local starts, amounts, n = window_decode(raw, bucket_ms, t_ms)
+  local starts, amounts, n = window_decode(raw, bucket_ms)
   local absorbed = window_total(starts, amounts, n, t_ms, window_ms, bucket_ms, boundary)
   local stale = {}
   if #pending == 0 then return starts, amounts, n, absorbed, 0, stale end
   local live = t_ms + 1 - window_mod(t_ms + 1, bucket_ms) - window_ms
-  local head = t_ms - window_mod(t_ms, bucket_ms)
   local by_start, order = {}, {}
-  local function put(start, amount)
-    if by_start[start] then
-      by_start[start] = by_start[start] + amount
-    else
-      order[#order + 1] = start
-      by_start[start] = amount
-    end
-  end
   for i = 1, #pending, 2 do
     local last = tonumber(pending[i])
+    local start = last and last - window_mod(last, bucket_ms)
     if not last then
       -- A version-2 pending window's total field: it sums the others.
-    elseif last - window_mod(last, bucket_ms) < live then
+    elseif start < live then
       stale[#stale + 1] = pending[i]
+    elseif by_start[start] then
+      by_start[start] = by_start[start] + tonumber(pending[i + 1])
     else
-      -- In its own bucket, and after the bucket of now (held at a later clock, or in a
-      -- wider width since narrowed) in the bucket of now as well (windows.pending_now).
-      local amount = tonumber(pending[i + 1])
-      local start = last - window_mod(last, bucket_ms)
-      put(start, amount)
-      if start > head then put(head, amount) end
+      order[#order + 1] = start
+      by_start[start] = tonumber(pending[i + 1])
     end
   end
   if #order == 0 then return starts, amounts, n, absorbed, 0, stale end

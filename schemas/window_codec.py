@@ -49,7 +49,7 @@ The *pending window* (reservations admission holds that the processor has not ab
 is a Redis hash instead, updated in place by the scripts: field = the decimal *last*
 millisecond of the bucket a reservation was admitted in (``pending_field``), value = the
 amount pending there. Naming a bucket by its last millisecond lets a reader in any bucket
-width place it in the bucket holding that millisecond (``decode_pending``), so a policy
+width place it as ``schemas.windows.rebucket`` would (``decode_pending``), so a policy
 whose ``bucket`` changed needs no rewrite. Two layouts (``redis_keys``):
 
 * version 1, ``pending_window_key``: the bucket fields only, read whole by the admit
@@ -72,7 +72,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import NamedTuple
 
-from spendgate.schemas.windows import merge, pending_now, rebucket
+from spendgate.schemas.windows import merge, rebucket
 
 __all__ = [
     "FORMAT_VERSION",
@@ -290,8 +290,7 @@ def decode_pending(
         fields: the hash (``HGETALL``): a bucket's last millisecond -> amount (and, in a
             version-2 hash, ``PENDING_TOTAL_FIELD`` and the reservations' entries, skipped).
         bucket_ms: the width to read it in; a field written in another width lands in
-            the bucket holding its last millisecond (``windows.combine`` counts one after
-            the bucket of now at once: ``windows.pending_now``).
+            the bucket holding its last millisecond.
 
     Returns:
         Bucket start -> pending amount, zero sums dropped.
@@ -306,28 +305,24 @@ def decode_pending(
     return {start: amount for start, amount in buckets.items() if amount}
 
 
-def read(raw: bytes | None, bucket_ms: int | None, t_ms: int | None = None) -> dict[int, int]:
+def read(raw: bytes | None, bucket_ms: int | None) -> dict[int, int]:
     """The absorbed window a Redis string holds, in buckets of ``bucket_ms``: what every
     reader counts (the admit script's ``window_decode`` reads it the same way).
 
     Args:
         raw: the value (``GET``), None or empty for a missing key (an empty window).
         bucket_ms: the policy's bucket width now; a value written in another width (the
-            policy's bucket changed since) is moved as ``windows.rebucket`` does at
-            ``t_ms``. None: the buckets as written.
-        t_ms: the clock of the read; needed for a value in another width.
+            policy's bucket changed since) is moved as ``windows.rebucket`` does. None:
+            the buckets as written.
 
     Raises:
-        ValueError: the bytes are not a valid value (see :func:`decode`), or a value in
-            another width was read without ``t_ms``.
+        ValueError: the bytes are not a valid value (see :func:`decode`).
     """
     if not raw:
         return {}
     decoded = decode(raw)
     if bucket_ms is not None and decoded.bucket_ms != bucket_ms:
-        if t_ms is None:
-            raise ValueError("window state: a value in another width is read at a clock (t_ms)")
-        return rebucket(decoded.buckets, decoded.bucket_ms, bucket_ms, t_ms)
+        return rebucket(decoded.buckets, decoded.bucket_ms, bucket_ms)
     return decoded.buckets
 
 
@@ -344,12 +339,8 @@ def pending_fields(*hashes: Mapping[bytes | str, bytes | str | int]) -> dict[str
 
 
 def read_held(
-    raw: bytes | None,
-    bucket_ms: int,
-    t_ms: int,
-    *pending: Mapping[bytes | str, bytes | str | int],
+    raw: bytes | None, bucket_ms: int, *pending: Mapping[bytes | str, bytes | str | int]
 ) -> dict[int, int]:
     """A key's absorbed window plus its pending windows (``HGETALL`` of each version's
-    hash), bucket by bucket, read at ``t_ms``: what the admit script counts."""
-    held = pending_now(decode_pending(pending_fields(*pending), bucket_ms), bucket_ms, t_ms)
-    return merge(read(raw, bucket_ms, t_ms), held)
+    hash), bucket by bucket: what the admit script counts."""
+    return merge(read(raw, bucket_ms), decode_pending(pending_fields(*pending), bucket_ms))

@@ -20,12 +20,17 @@ clock, time is always an argument):
     ``prorate`` counts ``ceil(amount * overlap_ms / bucket_ms)``. Rounding up keeps the
     prorated part between the ``exclude`` (0) and ``include`` (amount) values for either
     sign, and errs on the conservative side for usage;
-  - nothing that starts after ``t_ms`` (buckets of future-dated events).
+  - every bucket that starts after ``t_ms`` in full, as soon as it is recorded.
 
-* Head-bucket rule: a bucket cannot be split, so the head bucket is counted in full,
-  including any event recorded in it with ``occurred_ms`` later than ``t_ms`` (clock
-  skew, events up to the allowed future skew). The error bounds are therefore stated
-  against the *seen* total, the events in ``(t_ms - window_ms, head + bucket_ms)``;
+* Recorded-is-counted rule: a bucket cannot be split, so the head bucket is counted in
+  full, including any event recorded in it with ``occurred_ms`` later than ``t_ms``; and a
+  bucket after the head counts now too, until it leaves the window by its own start. Such
+  buckets hold future-dated events (clock skew up to the allowed future skew), amounts a
+  policy whose ``bucket`` changed moved to the bucket of their old bucket's last
+  millisecond (``rebucket``), or reservations held at a clock later than this one (the
+  Redis clock went back). Counting them at once is what keeps a width change, a clock
+  stepping back and a skewed client from ever under-counting. The error bounds are
+  therefore stated against the *seen* total, the events in ``(t_ms - window_ms, +inf)``;
   when no recorded event is later than ``t_ms`` (the normal case) it equals the exact
   trailing total. With every millisecond's net usage non-negative (an adjustment carries
   the ``occurred_ms`` of the charge it corrects and never exceeds it):
@@ -39,6 +44,17 @@ clock, time is always an argument):
   exactly when ``extra + amount > limit``) the answer is ``fits_at_ms=None`` with
   ``never_fits=False``.
 
+* Policy edits and clocks that step back never under-count. A new ``bucket`` width moves
+  each old bucket's amount to the new bucket holding its last millisecond (``rebucket``),
+  so it ages out no earlier than before; a bucket that has not begun counts at once (the
+  rule above), so the usage of an hour moved to its last minute keeps counting now. The
+  over-count is that of the old width: at most one old bucket's usage, counted until its
+  last millisecond leaves the window. A new ``window`` keeps the buckets: a shorter one
+  counts at once only those it covers, a longer one what the previous one still covered
+  (what had left it was dropped). A pending reservation held at a clock later than now
+  counts now and until its bucket leaves the window; one pruned at a later clock (its
+  bucket had left the window then) stays pruned when the clock steps back.
+
 Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later;
 ``prune`` drops them and a stream processor may drop events that land there as too late.
 
@@ -47,21 +63,6 @@ Buckets older than ``first_live_bucket(t_ms)`` cannot count at ``t_ms`` or later
   ``combine`` adds it to the absorbed state bucket by bucket, so a reservation ages out
   of the window exactly like absorbed usage: a ``retry_after`` over the combined buckets
   is at most ``window_ms + bucket_ms`` after ``t_ms`` whenever nothing is future-dated.
-
-* Policy edits and clocks that step back never under-count. An amount kept in another
-  bucket width (the policy changed its ``bucket``) is read as ``rebucket`` moves it at the
-  clock of the read: an old bucket that had ended goes to the new bucket of its last
-  millisecond; one that had not, to the new buckets of its first *and* of its last
-  millisecond, so it counts at once and until its last millisecond plus the window. Kept
-  that way (the stream processor rewrites a key in the new width at its latest event
-  time), that one old bucket counts twice for less than a window: the over-count is at
-  most one old bucket. A pending amount in a bucket after the bucket of now (held at a
-  clock later than now, or in a wider width since narrowed) counts now as well
-  (``pending_now``): a reservation counts from the moment it is held, whatever the clock
-  does, until its bucket leaves the window by the latest clock a prune ran at.
-  A change of ``window`` keeps the buckets: a shorter window counts the ones it covers at
-  once; a longer one counts what was kept, which is everything the previous window still
-  covered (nothing is dropped before it leaves the window in force).
 
 * When is an amount charged (``settle``)? Every amount lands in the bucket of the instant
   it was asked for: a reservation's estimate at its admission instant, each extend of it
@@ -95,7 +96,6 @@ __all__ = [
     "boundary_usage",
     "combine",
     "merge",
-    "pending_now",
     "prune",
     "rebucket",
     "retry_after",
@@ -240,21 +240,22 @@ def total(spec: WindowSpec, buckets: Mapping[int, int], t_ms: int) -> int:
         t_ms: the query time.
 
     Returns:
-        The full buckets in the window plus the boundary bucket's share.
+        The full buckets in the window (those after ``t_ms`` included) plus the boundary
+        bucket's share.
     """
     bucket_ms = spec.bucket_ms
     r = t_ms % bucket_ms
     head = t_ms - r
     oldest_full = head - spec.window_ms + bucket_ms
     boundary_start = oldest_full - bucket_ms
-    if buckets and boundary_start <= min(buckets) and max(buckets) <= head:
+    if buckets and boundary_start <= min(buckets):
         # Every bucket counts (the usual case for a pruned state): sums in C, not a loop.
         edge = buckets.get(boundary_start, 0)
         full = sum(buckets.values()) - edge
     else:
         full = edge = 0
         for start, amount in buckets.items():
-            if oldest_full <= start <= head:
+            if oldest_full <= start:
                 full += amount
             elif start == boundary_start:
                 edge = amount
@@ -314,36 +315,13 @@ def merge(*states: Mapping[int, int]) -> Buckets:
     return {start: amount for start, amount in merged.items() if amount}
 
 
-def pending_now(pending: Mapping[int, int], bucket_ms: int, t_ms: int) -> Buckets:
-    """Pending buckets as they count at ``t_ms``: an amount pending in a bucket after the
-    bucket of ``t_ms`` (held at a clock later than now, or in a wider bucket width since
-    narrowed) counts in the bucket of now as well as in its own. So a reservation counts
-    from the moment it is held, whatever the clock does, and until its own bucket leaves
-    the window; read at ``t_ms`` the later copy starts after ``t_ms`` and adds nothing.
-
-    Args:
-        pending: bucket start -> pending amount, in width ``bucket_ms``.
-        bucket_ms: the width.
-        t_ms: the clock of the read.
-
-    Returns:
-        A new state; zero sums dropped.
-    """
-    head = t_ms - t_ms % bucket_ms
-    if not pending or max(pending) <= head:
-        return dict(pending)
-    later = sum(amount for start, amount in pending.items() if start > head)
-    return merge(pending, {head: later})
-
-
 def combine(
     spec: WindowSpec, absorbed: Mapping[int, int], pending: Mapping[int, int], t_ms: int
 ) -> Held:
     """Combine a key's absorbed buckets with its pending ones at ``t_ms``.
 
     Pending buckets that can no longer count (older than ``first_live_bucket(t_ms)``)
-    are left out, as the admission script prunes them; one after the bucket of ``t_ms``
-    counts now all the same (:func:`pending_now`).
+    are left out, as the admission script prunes them.
 
     Args:
         spec: the window definition.
@@ -357,7 +335,6 @@ def combine(
     """
     horizon = spec.first_live_bucket(t_ms)
     live = {start: amount for start, amount in pending.items() if start >= horizon}
-    live = pending_now(live, spec.bucket_ms, t_ms)
     buckets = merge(absorbed, live) if live else dict(absorbed)
     absorbed_total = total(spec, absorbed, t_ms)
     return Held(buckets, absorbed_total, total(spec, buckets, t_ms) - absorbed_total)
@@ -397,8 +374,8 @@ def retry_after(
 
     The total is piecewise in time: within one head-bucket period only the boundary
     share changes, and a period can differ from the previous period's last millisecond
-    only when a bucket enters it (as the head) or is its boundary bucket. The scan
-    visits those periods in order and solves each one exactly.
+    only when a bucket leaves it or is its boundary bucket (every recorded bucket counts
+    from now on). The scan visits those periods in order and solves each one exactly.
 
     Args:
         spec: the window definition.
@@ -436,12 +413,10 @@ def retry_after(
         periods.add(max(head, start + window_ms))
     room = limit - extra - amount
     count = len(starts)
-    lo = hi = 0
-    full = 0
+    # Every bucket counts from now on (those after head too) until it leaves the window.
+    lo, hi = 0, count
+    full = sum(buckets.values())
     for period in sorted(periods):
-        while hi < count and starts[hi] <= period:
-            full += buckets[starts[hi]]
-            hi += 1
         oldest_full = period - window_ms + bucket_ms
         while lo < hi and starts[lo] < oldest_full:
             full -= buckets[starts[lo]]
@@ -454,44 +429,28 @@ def retry_after(
     return RetryAfter(None, False)
 
 
-def rebucket(
-    buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int, t_ms: int
-) -> Buckets:
-    """Move buckets of width ``old_bucket_ms`` to width ``new_bucket_ms`` (a policy change),
-    read at ``t_ms``.
+def rebucket(buckets: Mapping[int, int], old_bucket_ms: int, new_bucket_ms: int) -> Buckets:
+    """Move buckets of width ``old_bucket_ms`` to width ``new_bucket_ms`` (a policy change).
 
-    An old bucket ``[start, last]`` that had ended at ``t_ms`` goes to the new bucket
-    holding ``last``: it counts until ``last`` plus the window, as before. One that had
-    not (the current one, or a future-dated one) goes to the new bucket holding ``start``
-    *and* to the one holding ``last``: the first counts from ``start`` on, the second until
-    ``last`` plus the window, and since a bucket is never wider than the window the two
-    leave no gap. So every unit keeps counting from its old bucket's first instant until
-    its last instant plus the window, in either direction of the change, at any clock
-    after ``start`` (a clock that went back included), and no window under-counts. The
-    price: once both copies are in the window that one old bucket counts twice, for less
-    than a window: the over-count is at most one old bucket. A net refund (a negative
-    bucket) is placed once, in the later bucket. Zero sums are dropped.
+    Each old bucket's amount goes to the new bucket holding the old bucket's *last*
+    millisecond, so no usage ages out earlier than it would have; a new bucket that has
+    not begun counts at once (``total``), so none counts later either: with ``include``
+    the window still never under-counts, over by at most one old bucket. Zero sums are
+    dropped.
 
     Args:
         buckets: the state in the old width.
         old_bucket_ms: the width the state was kept in.
         new_bucket_ms: the policy's new width.
-        t_ms: the clock of the read (a worker: the key's latest event time).
 
     Returns:
         A new state in the new width.
     """
-    if old_bucket_ms == new_bucket_ms:
-        return {k: v for k, v in buckets.items() if v}
     moved: Buckets = {}
     for start, value in buckets.items():
         last = start + old_bucket_ms - 1
-        end = last - last % new_bucket_ms
-        if last > t_ms and value > 0:
-            first = start - start % new_bucket_ms
-            if first != end:
-                moved[first] = moved.get(first, 0) + value
-        moved[end] = moved.get(end, 0) + value
+        target = last - last % new_bucket_ms
+        moved[target] = moved.get(target, 0) + value
     return {k: v for k, v in moved.items() if v}
 
 

@@ -344,16 +344,14 @@ def _hold(spec: WindowSpec, state: KeyState, rid: str, rec: KeyedRecord) -> None
 def _rebucket(state: KeyState, bucket_ms: int) -> bool:
     """Move the buckets to a new width after a policy changed its ``bucket``.
 
-    At the key's latest event time, as ``windows.rebucket`` moves them (what admission
-    reads from a value the worker has not rewritten yet): every unit keeps counting until
-    its old bucket's last instant plus the window, never under-counting; it depends only on
-    the records applied, so a refold places them the same.
+    Each old bucket's amount goes to the new bucket holding the old bucket's *last*
+    millisecond, so no usage ages out earlier than it would have: never under-counts.
     """
     old = state.bucket_ms
     state.bucket_ms = bucket_ms
     if old in (0, bucket_ms) or not state.buckets:
         return False
-    state.buckets = windows.rebucket(state.buckets, old, bucket_ms, state.high_ms)
+    state.buckets = windows.rebucket(state.buckets, old, bucket_ms)
     return True
 
 

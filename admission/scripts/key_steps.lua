@@ -206,7 +206,11 @@ local function key_load(x, now)
       window_fetch(v, e - 1, e)
     end
     local at_edge = window_prefix(v, edge_start)
-    local full = window_prefix(v, edge_start + x.window) - at_edge
+    -- Every bucket from the boundary on, those after head too (windows.total): the window's
+    -- last prefix (its sum, known from the header).
+    local top = window_newest(v) or edge_start
+    if top < edge_start + x.window then top = edge_start + x.window end
+    local full = window_prefix(v, top) - at_edge
     local edge = at_edge - window_prefix(v, edge_start - b)
     local absorbed = full + window_share(x.boundary, edge, now, b)
     x.used = absorbed

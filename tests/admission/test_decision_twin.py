@@ -218,14 +218,12 @@ def _fields(key: KeyInput) -> dict[str, object]:
 
 
 def _raw_window(target: Target) -> bytes | None:
-    """The absorbed window as the worker would store it (maybe in an older width: its
-    buckets moved there as if the policy had gone the other way, long after them)."""
+    """The absorbed window as the worker would store it (maybe in an older width)."""
     if target.version is None:
         return None
     b = target.key.spec.bucket_ms
     absorbed = target.absorbed
-    old = target.stored_ms
-    buckets = absorbed if old == b else rebucket(absorbed, b, old, 2**52)
+    buckets = absorbed if target.stored_ms == b else rebucket(absorbed, b, target.stored_ms)
     return encode(buckets, target.stored_ms, target.version)
 
 
@@ -308,7 +306,7 @@ def _twin_plans(case: Case, now: int) -> list[PlanInput]:
         keys = []
         for t in targets:
             b = t.key.spec.bucket_ms
-            window = read(_raw_window(t), b, now)
+            window = read(_raw_window(t), b)
             pending: dict[int, int] = {}
             for part in (t.pending_v1, t.pending_v2):
                 for s, a in part.items():

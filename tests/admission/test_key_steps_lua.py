@@ -83,7 +83,7 @@ class KeyCase:
 
     def expected(self) -> list[int]:
         spec = self.spec
-        absorbed = read(self.raw(), spec.bucket_ms, self.t_ms)
+        absorbed = read(self.raw(), spec.bucket_ms)
         pending = decode_pending(
             {
                 **{str(k): v for k, v in self.pending1.items()},
@@ -355,7 +355,8 @@ class TestHoldsAndAbsorbs:
         raw = client.get(names[0])
         pending = client.hgetall(names[2])
         pending = {f: a for f, a in pending.items() if f.isdigit()}
-        h = combine(spec, read(raw, spec.bucket_ms, t), decode_pending(pending, spec.bucket_ms), t)
+        absorbed = read(raw, spec.bucket_ms)
+        h = combine(spec, absorbed, decode_pending(pending, spec.bucket_ms), t)
         argv = ["read", t, spec.window_ms, spec.bucket_ms, spec.boundary, 10**9, 1, 0]
         got = lua.script(KEY_CHECK)(keys=names, args=argv)
         assert got[:2] == [max(0, h.absorbed), h.pending]

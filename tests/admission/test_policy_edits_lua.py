@@ -100,7 +100,7 @@ class Key:
         pending = pending_fields(client.hgetall(self.names[1]), client.hgetall(self.names[2]))
         held = combine(
             spec,
-            read(client.get(self.names[0]), spec.bucket_ms, t),
+            read(client.get(self.names[0]), spec.bucket_ms),
             decode_pending(pending, spec.bucket_ms),
             t,
         )
@@ -197,8 +197,9 @@ class TestPolicyEditsNeverUnderCount:
 
     def test_a_full_hour_moved_to_minutes_still_refuses(self, lua_server: LuaServer) -> None:
         # The reported case: 100 requests in a 1 h window of 1 h buckets, re-applied with
-        # 1 min buckets: the hour's usage counts at once (before: in the minute of the
-        # hour's end, which had not begun), both before and after the worker rewrites it.
+        # 1 min buckets: the hour's usage moves to the minute of the hour's end, which has
+        # not begun, and counts at once (before: only from that minute on), both before and
+        # after the worker rewrites the key.
         hour = WindowSpec(3_600_000, 3_600_000, "include")
         minutes = WindowSpec(3_600_000, 60_000, "include")
         key = Key(lua_server, "hour")

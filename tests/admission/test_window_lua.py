@@ -60,8 +60,7 @@ class Case:
     pending: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def python(self) -> list[int]:
-        fields = {str(k): v for k, v in self.pending.items()}
-        pending = decode_pending(fields, self.spec.bucket_ms)
+        pending = decode_pending({str(k): v for k, v in self.pending.items()}, self.spec.bucket_ms)
         held = combine(self.spec, self.buckets, pending, self.t_ms)
         answer = retry_after(
             self.spec,
@@ -212,7 +211,7 @@ class TestWindowLuaLib:
             start -= start % 10_000
             old[start] = old.get(start, 0) + rng.randint(1, 1000)
         spec = WindowSpec(60_000, new_bucket_ms, "include")
-        moved = rebucket(old, 10_000, new_bucket_ms, t_ms)
+        moved = rebucket(old, 10_000, new_bucket_ms)
         key = f"{lua_server.prefix}w"
         lua_server.client.set(key, encode(old, 10_000))
         script = lua_server.script(WINDOW_CHECK_SCRIPT)

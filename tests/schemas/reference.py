@@ -36,13 +36,19 @@ def exact_total(window_ms: int, events: Iterable[Event], t_ms: int) -> int:
 def reference_total(
     window_ms: int, bucket_ms: int, boundary: str, events: Iterable[Event], t_ms: int
 ) -> int:
-    """The bucketed total: each bucket's overlap with the window, the head counted whole."""
+    """The bucketed total: each bucket's overlap with the window, the head counted whole,
+    and anything recorded after ``t_ms`` counted whole at once (DESIGN: what is recorded
+    counts; a bucket after now holds future-dated usage, usage a width change moved to its
+    old bucket's end, or a reservation held at a clock later than this one)."""
     first_ms = t_ms - window_ms + 1  # the oldest millisecond inside the window
     result = 0
     for start, amount in buckets_of(bucket_ms, events).items():
+        if start > t_ms:
+            result += amount  # recorded after now: counts at once
+            continue
         low, high = max(start, first_ms), min(start + bucket_ms - 1, t_ms)
-        if start > t_ms or low > high:
-            continue  # in the future, or entirely before the window
+        if low > high:
+            continue  # entirely before the window
         if start >= first_ms or boundary == "include":
             result += amount
         elif boundary == "prorate":

@@ -15,7 +15,6 @@ from spendgate.schemas.windows import (
     WindowSpec,
     combine,
     merge,
-    pending_now,
     retry_after,
 )
 
@@ -71,25 +70,18 @@ class TestPendingLayout:
         assert decode_pending(raw, 5000) == {0: 12, 55_000: 11}
 
     def test_a_field_after_now_counts_now_and_until_its_last_millisecond(self) -> None:
-        # Held in an hour bucket now read in minutes (or at a clock that went back): its
-        # last millisecond's minute holds it, and the minute of now counts it as well; the
-        # later copy starts after now and adds nothing to the total until then.
+        # Held in an hour bucket now read in minutes (or at a clock that went back): it is
+        # in the minute of its last millisecond, which has not begun, and counts at once.
         hour = 1_699_999_200_000  # a whole hour
         raw = {str(hour + 3_599_999): 40}
         now = hour + 1_234_567
-        head = now - now % 60_000
-        assert decode_pending(raw, 60_000) == {hour + 3_540_000: 40}
-        assert pending_now(decode_pending(raw, 60_000), 60_000, now) == {
-            head: 40,
-            hour + 3_540_000: 40,
-        }
         spec = WindowSpec(3_600_000, 60_000, "include")
-        held = combine(spec, {}, decode_pending(raw, 60_000), now)
-        assert held.pending == 40
-        # Once its last minute has begun, it is in that minute alone.
-        late = hour + 3_599_000
-        assert pending_now(decode_pending(raw, 60_000), 60_000, late) == {hour + 3_540_000: 40}
-        assert combine(spec, {}, decode_pending(raw, 60_000), late).pending == 40
+        assert decode_pending(raw, 60_000) == {hour + 3_540_000: 40}
+        assert combine(spec, {}, decode_pending(raw, 60_000), now).pending == 40
+        # And until that minute leaves the window.
+        gone = hour + 3_540_000 + 3_600_000 + 60_000 - 1
+        assert combine(spec, {}, decode_pending(raw, 60_000), gone - 1).pending == 40
+        assert combine(spec, {}, decode_pending(raw, 60_000), gone).pending == 0
 
 
 class TestCombine:

@@ -138,11 +138,14 @@ class TestTotal:
         # prorate ceil(7 * 9999 / 10000) = 7.
         assert total(spec, sample_state(spec), 70_000) == expected
 
-    def test_future_buckets_do_not_count(self) -> None:
+    def test_future_buckets_count_at_once(self) -> None:
+        # A bucket after now (a future-dated event, usage a width change moved to its old
+        # bucket's end, a reservation held at a clock later than this one) counts now.
         spec = one_minute()
         state = sample_state(spec)
+        before = total(spec, state, 65_000)
         add(spec, state, 75_000, 100)
-        assert total(spec, state, 65_000) == 26
+        assert total(spec, state, 65_000) == before + 100
         assert total(spec, state, 70_000) == 121
 
     def test_head_bucket_counts_in_full(self) -> None:
@@ -235,11 +238,12 @@ class TestRetryAfter:
         answer = retry_after(spec, sample_state(spec), 65_000, limit=10, amount=6, extra=5)
         assert answer == RetryAfter(None, False)
 
-    def test_future_bucket_blocks_later(self) -> None:
+    def test_future_bucket_blocks_at_once(self) -> None:
         spec = WindowSpec(TEN_S, TEN_S, "exclude")
-        # Fits now and until the future bucket at 20 s enters the window: the answer is now.
+        # The future bucket at 20 s counts now, until it leaves the window at 30 s (the
+        # excluded boundary bucket from then on).
         assert retry_after(spec, {20_000: 50}, 5_000, limit=10, amount=1) == RetryAfter(
-            5_000, False
+            30_000, False
         )
         # From 20 s to 29.999 s it counts; at 30 s it is the (excluded) boundary bucket.
         assert retry_after(spec, {20_000: 50}, 20_000, limit=10, amount=1) == RetryAfter(

@@ -56,10 +56,10 @@ class Scenario:
         return sum(amount for occurred, amount in self.events if low < occurred <= t_ms)
 
     def seen(self, t_ms: int) -> int:
-        """Events in (t - W, end of the head bucket]: what the head-bucket rule counts."""
+        """Events after t - W, those after t included: what the recorded-is-counted rule
+        counts (the head bucket whole, and anything recorded after it at once)."""
         low = t_ms - self.spec.window_ms
-        end = reference.bucket_start(t_ms, self.spec.bucket_ms) + self.spec.bucket_ms
-        return sum(amount for occurred, amount in self.events if low < occurred < end)
+        return sum(amount for occurred, amount in self.events if low < occurred)
 
 
 def reference_total(spec: WindowSpec, events: list[Event], t_ms: int) -> int:
