@@ -191,7 +191,7 @@ class TestPolicyEditsNeverUnderCount:
     def test_random_edits_clock_steps_and_folds_against_an_exact_ledger(
         self, lua_server: LuaServer
     ) -> None:
-        sequences = 60 if os.environ.get("CI") == "true" else 15
+        sequences = 24 if os.environ.get("CI") == "true" else 8
         for i in range(sequences):
             run_sequence(lua_server, SEED + i, 250)
 
