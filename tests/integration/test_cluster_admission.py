@@ -715,3 +715,20 @@ async def test_a_sweep_resolves_the_other_shards_when_one_fails(
     assert await s.client.zcard(provisional_key(s.layout.shard(first.shard))) == 0
     key = first.charges[0].target.key
     assert await s.held(key, tenant if key == _tenant_key(tenant) else None) == 0
+
+
+async def test_a_bucket_width_change_keeps_a_full_budget_full(stack: Any) -> None:
+    # A 1 h budget of 1 h buckets, full with absorbed usage and pending reservations on its
+    # shard, re-applied with 1 min buckets: both moved to the hour's last minute, which has
+    # not begun, and both count at once (README: policy edits).
+    s: Stack = await stack()
+    tenants = _tenants(4)
+    await s.policies(_policies(1_000, 30, bucket="1h"))
+    now = await s.redis_ms(MODEL_KEY)
+    await s.usage(MODEL_KEY, {now - now % 3_600_000: 10}, 3_600_000)
+    answers = await asyncio.gather(*(s.admit(tenants[i % 4]) for i in range(40)))
+    assert [a.status_code for a in answers].count(200) == 20
+    await s.policies(_policies(1_000, 30, bucket="1m"))
+    probes = await asyncio.gather(*(s.admit(tenants[i % 4]) for i in range(20)))
+    assert [p.status_code for p in probes] == [429] * 20
+    assert {v for p in probes for v in p.json()["violated"]} == {"per-model"}
