@@ -5,6 +5,10 @@ settings read in the entry point (``streams.worker``), so the agents cannot sit 
 level without a module-level app configured at import time. They are declared here, in one
 function that only wires faust's hooks to ``streams.app.Worker``: everything they do is a
 method of the worker (or of its ``BatchCommit``), addressable and testable without faust.
+
+A Redis error is a retry, never a crash, in each of them (``streams.retry``): an agent
+commits its batch again after a backoff until Redis has it, the drift timer skips its
+ticks until the backoff has passed, and the keeper's loop tries again on its next tick.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import faust
 
 from spendgate.streams.batching import batches
+from spendgate.streams.retry import StoreRetry, commit_until_written
 
 if TYPE_CHECKING:
     from spendgate.streams.app import Worker
@@ -24,6 +29,12 @@ __all__ = ["declare_agents"]
 def declare_agents(app: faust.App, worker: Worker) -> None:
     """Declare on ``app`` the agents, tasks, timers and signal handlers of ``worker``."""
     size, linger_s = worker.settings.batch_size, worker.settings.batch_linger_s
+
+    def owned() -> Any:
+        return app.consumer.assignment()
+
+    def rebalancing() -> bool:
+        return bool(getattr(app, "rebalancing", False))
 
     @app.task  # type: ignore[untyped-decorator]
     async def policy_tail() -> None:
@@ -61,11 +72,17 @@ def declare_agents(app: faust.App, worker: Worker) -> None:
     async def split(stream: faust.StreamT[bytes]) -> None:
         await worker.policies_ready()
         commit = worker.usage_commit(stream)
+        retry = StoreRetry("split")
         async for events in batches(stream, size, linger_s):
-            await commit.run(events)
+            await commit_until_written(
+                commit.run, events, retry, owned=owned, rebalancing=rebalancing
+            )
 
     @app.agent(worker.topics.keyed, concurrency=1)
     async def account(stream: faust.StreamT[bytes]) -> None:
         commit = worker.keyed_commit(stream)
+        retry = StoreRetry("account")
         async for events in batches(stream, size, linger_s):
-            await commit.run(events)
+            await commit_until_written(
+                commit.run, events, retry, owned=owned, rebalancing=rebalancing
+            )

@@ -12,6 +12,7 @@ from spendgate.streams import metrics
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
+from spendgate.streams.retry import STORE_ERRORS, StoreRetry
 
 __all__ = ["DriftCheck", "DriftCycle", "windows_live"]
 
@@ -48,6 +49,9 @@ class DriftCheck:
         keys_per_s: windows compared per tick (0: no check).
         in_flight: keys whose Redis write is in flight (Redis behind for a moment is not
             drift; ``streams.commit.BatchCommit``).
+        retry: its Redis errors (a failed tick is counted and logged; the ticks after it
+            are skipped until the backoff has passed; the keys it skipped come again in
+            the next cycle).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class DriftCheck:
         materializer: RedisMaterializer,
         keys_per_s: int,
         in_flight: set[str],
+        retry: StoreRetry | None = None,
     ) -> None:
         self.app = app
         self.table = table
@@ -66,10 +71,11 @@ class DriftCheck:
         self.keys_per_s = keys_per_s
         self.in_flight = in_flight
         self.cycle = DriftCycle()
+        self.retry = retry or StoreRetry("drift_check")
 
     async def tick(self) -> None:
         """One tick: the next keys of the cycle compared, the differing ones healed."""
-        if not self.keys_per_s or not self.book.ready.is_set():
+        if not self.keys_per_s or not self.book.ready.is_set() or not self.retry.due():
             return
         recovery = getattr(self.app.tables, "recovery", None)
         if recovery is not None and recovery.in_recovery:
@@ -83,7 +89,15 @@ class DriftCheck:
             if not state.bucket_ms or not windows_live(state, now_ms):
                 continue  # nothing left in the window: Redis may have let it expire
             due.append((key, state))
-        for (key, _), healed in zip(due, await self.materializer.heal_many(due), strict=True):
+        if not due:
+            return
+        try:
+            healed_keys = await self.materializer.heal_many(due)
+        except STORE_ERRORS as exc:
+            self.retry.failed(exc)
+            return
+        self.retry.succeeded()
+        for (key, _), healed in zip(due, healed_keys, strict=True):
             if healed:
                 metrics.DRIFT_KEYS.inc()
                 logger.warning("budget window %s differed in Redis from the table: healed", key)

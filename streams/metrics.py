@@ -91,3 +91,9 @@ RESTORE_SECONDS = Histogram(
     "of Redis data) into Redis took.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+STORE_ERRORS = Counter(
+    "spendgate_worker_store_errors_total",
+    "Redis errors met by the worker's agents, timers and tasks, by task; each is retried "
+    "after a backoff (0.1 s doubling to 5 s), never a crash.",
+    ["task"],
+)
