@@ -181,7 +181,7 @@ class RedisKeeper:
             skipped = gen is None or last is None or gen != last + 1
             moved = set(fields) if lost or skipped else set(fields) - self.claimed
             asked = self.asked
-            claims = await self.materializer.claim(fields, self.presence)
+            claims = await self.materializer.claim(fields, self.presence, gen)
             # Asked again meanwhile (another assignment, another loss): claimed again next.
             self.claim_due, self.lost = self.asked != asked, self.lost and not lost
             self.watermarks.assign(claims, moved)

@@ -375,9 +375,12 @@ class RedisMaterializer:
             writes=tuple(marks),
         )
 
-    async def claim(self, fields: Sequence[str], presence: str) -> dict[str, Claim]:
+    async def claim(
+        self, fields: Sequence[str], presence: str, generation: int | None = None
+    ) -> dict[str, Claim]:
         """Claim ``fields`` for this worker (CLAIM, :mod:`~spendgate.streams.scripts.claim`):
-        a fencing token each, and the mark Redis holds now; sets ``presence``."""
+        a fencing token each, ordered by the group ``generation`` first (None: unknown),
+        and the mark Redis holds now; sets ``presence``."""
         shards = self.layout.shards()
         if not fields:
             for shard in shards:
@@ -390,6 +393,7 @@ class RedisMaterializer:
             positions_key=mark_positions_key(first),
             presence_key=self.presence_on(first, presence),
             fields=tuple(fields),
+            generation=generation or 0,
         )
         raw = await run_script(self.client, claim.SCRIPT, args.keys(), args.argv())
         claims = dict(zip(fields, claim.ClaimReply.decode(raw).claims, strict=True))

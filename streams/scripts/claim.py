@@ -23,6 +23,9 @@ class ClaimArgs:
         positions_key: the marks' positions (``redis_keys.mark_positions_key``).
         presence_key: this worker's presence mark (set by the claim).
         fields: the mark fields claimed.
+        generation: the consumer group's generation of this claim (0: none known): tokens
+            are ordered by it first, so a claim after a loss of Redis data never fences
+            the owner of a newer generation.
     """
 
     owners_key: str
@@ -30,14 +33,15 @@ class ClaimArgs:
     positions_key: str
     presence_key: str
     fields: Sequence[str]
+    generation: int = 0
 
     def keys(self) -> list[str]:
         """KEYS: owners, marks, positions, presence."""
         return [self.owners_key, self.marks_key, self.positions_key, self.presence_key]
 
     def argv(self) -> list[bytes | str | int]:
-        """ARGV: the fields, in order."""
-        return list(self.fields)
+        """ARGV: the generation, then the fields in order."""
+        return [self.generation, *self.fields]
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ what the script answers; the script runs on the real Redis.
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from importlib import import_module, resources
 from pathlib import Path
 
@@ -141,7 +142,9 @@ class TestContracts:
     def test_claim_encodes_the_fields_and_decodes_three_values_each(self) -> None:
         args = ClaimArgs("owners", "marks", "positions", "presence", ("usage:0", "keyed:1"))
         assert args.keys() == ["owners", "marks", "positions", "presence"]
-        assert args.argv() == ["usage:0", "keyed:1"]
+        assert args.argv() == [0, "usage:0", "keyed:1"]
+        generation = ClaimArgs("o", "m", "p", "w", ("usage:0",), generation=7)
+        assert generation.argv() == [7, "usage:0"]
         reply = ClaimReply.decode([1, b"", b"", 2, b"1000", b"40"])
         assert reply.claims == (Claim(1, None, None), Claim(2, 1_000, 40))
         assert ClaimReply.decode([]).claims == ()
@@ -443,6 +446,34 @@ class TestClaimScript:
         assert second.claims == (Claim(2, 1_000, 40), Claim(2, None, None))
         assert redis_sync.get(args.presence_key) == b"1"
         assert redis_sync.hgetall(args.owners_key) == {b"usage:0": b"2", b"keyed:1": b"2"}
+
+    def test_a_claim_after_a_redis_wipe_never_fences_the_newer_generation(
+        self, redis_sync: redis.Redis, key_prefix: str
+    ) -> None:
+        # A handover (generation 4 -> 5) with Redis losing its data in the middle: the new
+        # owner claims again first, then the old owner, which has not seen its partition
+        # move yet. The new owner must keep the higher token (its marks written) and the
+        # old one be fenced; with tokens counted from 1 again the old one fenced the new
+        # one until the next rebalance, and the partition refused everything.
+        script = redis_sync.register_script(claim.SCRIPT.source)
+        base = _claim_args(key_prefix, ("usage:0",))
+        old, new = replace(base, generation=4), replace(base, generation=5)
+        (first,) = ClaimReply.decode(script(keys=old.keys(), args=old.argv())).claims
+        (handed,) = ClaimReply.decode(script(keys=new.keys(), args=new.argv())).claims
+        assert handed.token > first.token
+        redis_sync.delete(base.owners_key, base.marks_key, base.positions_key)  # the wipe
+        (mine,) = ClaimReply.decode(script(keys=new.keys(), args=new.argv())).claims
+        (stale,) = ClaimReply.decode(script(keys=old.keys(), args=old.argv())).claims
+        assert stale.token < mine.token
+        assert redis_sync.hget(base.owners_key, "usage:0") == str(mine.token).encode()
+        marker = redis_sync.register_script(mark.SCRIPT.source)
+        for token, written in ((stale.token, 0), (mine.token, 1)):
+            args = _mark_args(key_prefix, MarkWrite("usage:0", token, 5_000))
+            reply = MarkReply.decode(marker(keys=args.keys(), args=args.argv()))
+            assert (reply.written, reply.fenced) == (written, 1 - written), token
+        # Within a generation a claim still takes over (a loss seen by the owner itself).
+        (again,) = ClaimReply.decode(script(keys=new.keys(), args=new.argv())).claims
+        assert again.token == mine.token + 1
 
 
 class TestSampleScript:
