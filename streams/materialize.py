@@ -57,8 +57,9 @@ class RedisMaterializer:
 
     On a Redis Cluster (``layout.cluster``) each key's window goes to its virtual shard
     (``schemas.layout``), each shard has its own utilization index, and the marks, their
-    owners and this worker's presence are kept on every shard's copy: a batch's windows
-    are written first, its marks only once every shard has them.
+    owners and this worker's presence are kept on every shard's copy. On one Redis as on a
+    cluster, a batch's windows are written first, its marks only once every window step
+    succeeded.
     """
 
     def __init__(
@@ -82,7 +83,6 @@ class RedisMaterializer:
         self._initialized = False
         self._absorb = client.register_script(absorb.SCRIPT.source)
         self._heal = client.register_script(heal.SCRIPT.source)
-        self._mark = client.register_script(mark.SCRIPT.source)
 
     async def _concurrently(self, *calls: Awaitable[Any]) -> list[Any]:
         """Await ``calls`` (on a cluster) concurrently, at most
@@ -122,15 +122,22 @@ class RedisMaterializer:
     ) -> MarkReply | None:
         """Mirror one fold batch: every key's window and absorbed reservations in one
         pipeline of ABSORB calls (:mod:`~spendgate.streams.scripts.absorb`), each key
-        atomic, never over a newer window; then, in the same round trip, the ``marks`` the
-        batch advanced (MARK, :mod:`~spendgate.streams.scripts.mark`).
+        atomic, never over a newer window; then, once every one of them succeeded, the
+        ``marks`` the batch advanced (MARK, :mod:`~spendgate.streams.scripts.mark`).
 
-        Redis runs a pipeline's commands in order, so a mark is never visible before the
-        windows it vouches for; an admission between them sees the old mark with newer
-        windows, which is still true.
+        A mark never vouches for a write that did not happen: an ABSORB that raised (a
+        script error, a refused write) raises here before any mark is sent. Neither a
+        pipeline nor MULTI/EXEC would stop the mark (Redis runs every command after one
+        that failed at run time), and one script for the whole batch would hold Redis (and
+        every admission) for as long as it runs; so the marks take a second round trip, as
+        they already do on a cluster. An admission between the two sees the old mark with
+        newer windows, which is still true.
 
         Returns:
             What the mark script did, or None when no marks were given.
+
+        Raises:
+            RedisError: a window step failed (no mark was written) or the marks' did.
         """
         if not writes and not marks:
             return None
@@ -142,17 +149,15 @@ class RedisMaterializer:
                 *(run_script(self.client, absorb.SCRIPT, a.keys(), a.argv()) for a in calls),
                 *(self.client.set(name, value, px=px) for name, value, px in overages),
             )
-            return await self.write_marks(marks, presence) if marks else None
-        async with self.client.pipeline(transaction=False) as pipe:
-            for args in calls:
-                await self._absorb(keys=args.keys(), args=args.argv(), client=pipe)
-            for name, value, px in overages:
-                pipe.set(name, value, px=px)
-            if marks:
-                margs = self._mark_args(self.prefix, marks, presence)
-                await self._mark(keys=margs.keys(), args=margs.argv(), client=pipe)
-            replies = await pipe.execute()
-        return MarkReply.decode(replies[-1]) if marks else None
+        elif calls or overages:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for args in calls:
+                    await self._absorb(keys=args.keys(), args=args.argv(), client=pipe)
+                for name, value, px in overages:
+                    pipe.set(name, value, px=px)
+                # Raises the first failed command's error once every reply is read.
+                await pipe.execute()
+        return await self.write_marks(marks, presence) if marks else None
 
     def _window_steps(
         self, writes: Sequence[KeyWrite]

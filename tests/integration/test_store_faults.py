@@ -1,4 +1,5 @@
-"""The worker rides through a Redis outage (issue 40): every Redis error is a retry.
+"""The worker rides through store faults (issue 40): every Redis error is a retry, and a
+mark never vouches for a window Redis did not take.
 
 A real ``spendgate worker`` on a private ``redis-server`` that is stopped for a few seconds
 and started again empty while usage keeps arriving: the worker process lives and its log
@@ -20,7 +21,16 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
+from spendgate.schemas.redis_keys import marks_key, window_key, window_version_key
+from spendgate.schemas.shards import usage_mark
+from spendgate.schemas.windows import WindowSpec
+from spendgate.streams.effects import KeyWrite
+from spendgate.streams.ledger import KeyState
+from spendgate.streams.materialize import RedisMaterializer
+from spendgate.streams.scripts.mark import MarkWrite
 from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.admission import OwnRedis, free_port
 from tests.fixtures.factories import PolicyFactory
@@ -156,3 +166,37 @@ class TestRedisOutage:
         log = (tmp_path / "worker-w1.log").read_text(errors="replace")
         assert "Crashed" not in log, log[-4000:]
         assert "Traceback" not in log, log[-4000:]
+
+
+class TestMarkFollowsItsWindows:
+    async def test_a_failed_absorb_leaves_the_mark_where_it_was(
+        self, redis_client: aioredis.Redis, key_prefix: str
+    ) -> None:
+        """An ABSORB that raises (a key of the wrong type in Redis) must stop the batch's
+        MARK: the mark would vouch for a window Redis does not hold."""
+        client, prefix = redis_client, key_prefix
+        m = RedisMaterializer(client, prefix)
+        presence = f"{prefix}worker:test"
+        field = usage_mark(0)
+        spec = WindowSpec(3_600_000, 60_000)
+
+        def write(key: str, amount: int, offset: int) -> KeyWrite:
+            state = KeyState(buckets={0: amount}, bucket_ms=60_000, window_ms=3_600_000)
+            state.offsets = {0: offset}
+            return KeyWrite(key, state, spec, True, True)
+
+        token = (await m.claim([field], presence))[field].token
+        reply = await m.write_batch(
+            [write("p|t=a", 5, 1)], [MarkWrite(field, token, 1_000)], presence
+        )
+        assert reply is not None and reply.written == 1
+        # A key of the wrong type where ABSORB reads the window's version: the script errors.
+        await client.rpush(window_version_key(prefix, "p|t=b"), "not a version")
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await m.write_batch(
+                [write("p|t=a", 6, 2), write("p|t=b", 7, 3)],
+                [MarkWrite(field, token, 2_000, position=4)],
+                presence,
+            )
+        assert await client.hget(marks_key(prefix), field) == b"1000"
+        assert not await client.exists(window_key(prefix, "p|t=b"))
