@@ -66,9 +66,9 @@ local function key_state(deps, states)
 end
 
 -- The version-2 pending window at now: its sum, what left the window (stale fields at the
--- list's head), the boundary bucket, the newest bucket (after the bucket of now when a field
--- is of a wider bucket width or the clock went back: it counts now all the same). q.ok is false when
--- the list's last entries do not settle the newest bucket or the list lost entries (then
+-- list's head), the boundary bucket, the newest bucket (it may be after the bucket of now:
+-- a field of a wider bucket width, or the clock went back; it counts now all the same, as
+-- windows.total counts every bucket after now). q.ok is false when the list's last entries do not settle the newest bucket or the list lost entries (then
 -- the key is read whole); q.repair when the hash holds amounts the list does not name.
 local function pending_read(x, now, v2)
   local b = x.bucket
@@ -145,8 +145,8 @@ local function pending_read(x, now, v2)
     i = i + 1
     q.edge = q.edge + (tonumber(got[i]) or 0)
   end
-  -- From the newest entry back: buckets after head (a wider width, or the clock went
-  -- back) count now in head (windows.pending_now); the first present one is the newest bucket.
+  -- From the newest entry back: the first present one is the newest bucket (buckets after
+  -- head count now too: q.full keeps them).
   local past_head = false
   q.tail_amounts = {}
   for k = 1, #tail do
@@ -390,7 +390,7 @@ local function key_hold(x, entry, amount, now)
     else
       -- The clock went back a bucket or more (or the policy's bucket narrowed): into its
       -- own bucket when the last entries hold it, else into the newest bucket, which
-      -- counts now and leaves the window later than its own (windows.pending_now): never
+      -- counts now and leaves the window later than its own (windows.total): never
       -- less, and the queue stays in order (an entry inserted out of order would be
       -- pruned late and its amount subtracted twice).
       if q.fast then tail = redis.call('LRANGE', x.pqkey, -4, -1) end
