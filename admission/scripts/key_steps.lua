@@ -68,8 +68,9 @@ end
 -- The version-2 pending window at now: its sum, what left the window (stale fields at the
 -- list's head), the boundary bucket, the newest bucket (it may be after the bucket of now:
 -- a field of a wider bucket width, or the clock went back; it counts now all the same, as
--- windows.total counts every bucket after now). q.ok is false when the list's last entries do not settle the newest bucket or the list lost entries (then
--- the key is read whole); q.repair when the hash holds amounts the list does not name.
+-- windows.total counts every bucket after now). q.ok is false when the list's last entries
+-- do not settle the newest bucket or the list lost entries (then the key is read whole);
+-- q.repair when the hash holds amounts the list does not name.
 local function pending_read(x, now, v2)
   local b = x.bucket
   local q = {total = 0, full = 0, edge = 0, stale = {}, stale_sum = 0, ok = true, tail = {}}
