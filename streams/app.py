@@ -20,6 +20,7 @@ from typing import Any
 import faust
 from aiokafka import TopicPartition
 
+from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
 from spendgate.schemas.redis_connect import async_client, layout_of
@@ -164,6 +165,11 @@ class Worker:
         #: Per agent: table writes Redis may not have (``BatchCommit.unmirrored``).
         self.unmirrored: dict[str, dict[str, Carried]] = {}
         metrics.CARRIED_WRITES.set_function(self.carried_writes)
+        #: Per agent: alerts the broker has not acked yet (``BatchCommit.unsent``).
+        self.unsent_alerts: dict[str, dict[str, Alert]] = {}
+        metrics.UNSENT_ALERTS.set_function(
+            lambda: sum(len(unsent) for unsent in self.unsent_alerts.values())
+        )
         self.drift = DriftCheck(
             app,
             self.table,
@@ -210,6 +216,7 @@ class Worker:
             in_flight=self.in_flight,
             done=done,
             unmirrored=self.unmirrored.setdefault(agent, {}),
+            unsent=self.unsent_alerts.setdefault(agent, {}),
         )
 
     async def policies_ready(self) -> None:

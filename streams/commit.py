@@ -142,7 +142,8 @@ class BatchCommit:
        reservations, overage marks, then the marks the batch advanced, unless it sent keyed
        batches (a usage mark vouches for those only once the broker has them);
     5. **sends**: keyed batches, dead letters and alerts (alerts only once the state is in
-       the table and in Redis), every broker ack awaited; then the marks held back in 4;
+       the table and in Redis; with them every alert an earlier batch could not get acked),
+       every broker ack awaited; then the marks held back in 4;
     6. **offsets**: the batch counted and its positions noted (``done``), then every event
        acked.
 
@@ -154,16 +155,16 @@ class BatchCommit:
     carried write keeps its source partition: the worker drops those of partitions it no
     longer owns (:func:`drop_carried`).
 
-    Two failures are left as they are, knowingly:
+    Alerts are at least once: an alert is kept as unsent from the table write that records
+    its crossing (step 2) until the broker acked it, and every batch's step 5 sends the
+    unsent ones again (a failed batch's records come again as redeliveries, which raise
+    none). Their ids are deterministic, so a consumer drops a second copy by id. What stays
+    at most once, knowingly: an alert unsent when the process dies (the table already
+    holds its crossing).
 
-    * alerts whose send failed after step 4 succeeded are not sent again: their records
-      come again as redeliveries, which raise no alert (at most once for that failure;
-      the state is in the table and in Redis all the same);
-    * step 4's pipeline is not a transaction (``transaction=False``): Redis runs every
-      command of it, so an ABSORB that fails there does not stop the marks written after
-      it in the same pipeline, which then vouch for a window Redis did not take; the
-      batch still raises and its writes are carried to the next step 4 (or the drift
-      check heals the window first).
+    Step 4 writes the marks only once every window step of the batch succeeded
+    (``streams.materialize.RedisMaterializer.write_batch``): a mark never vouches for a
+    window Redis did not take.
 
     Args:
         fold: folds one partition's events.
@@ -178,6 +179,9 @@ class BatchCommit:
         unmirrored: the carried writes by key (kept by the caller across commits: a
             restarted agent makes a new commit; the caller drops those of partitions it
             no longer owns, :func:`drop_carried`).
+        unsent: the alerts not acked yet by id (kept by the caller across commits, like
+            ``unmirrored``; kept whoever owns their partition now: the new owner's
+            redeliveries raise none).
     """
 
     def __init__(
@@ -192,6 +196,7 @@ class BatchCommit:
         in_flight: set[str] | None = None,
         done: Callable[[Sequence[Folded]], None] | None = None,
         unmirrored: dict[str, Carried] | None = None,
+        unsent: dict[str, Alert] | None = None,
     ) -> None:
         self.fold = fold
         self.table = table
@@ -204,6 +209,9 @@ class BatchCommit:
         #: Key writes in the table that Redis may not have (a batch failed before step 4
         #: confirmed them): written with the next batch's windows.
         self.unmirrored = unmirrored if unmirrored is not None else {}
+        #: Alerts whose crossing is in the table and that the broker has not acked yet:
+        #: sent with every batch until it has.
+        self.unsent = unsent if unsent is not None else {}
 
     async def run(self, events: Sequence[Any]) -> list[Folded]:
         """Commit ``events`` (faust events of one topic, any partitions) in steps 1-6.
@@ -221,6 +229,7 @@ class BatchCommit:
                 # 2. table writes (no await until the keys are marked in flight)
                 written += [Carried(partition, w) for w in result.writes]
                 self.table.write(group, result.writes)
+                self.unsent.update((a.alert_id, a) for a in result.alerts)
                 keys = {w.key for w in result.writes}
                 self.in_flight.update(keys)
                 touched |= keys
@@ -259,14 +268,18 @@ class BatchCommit:
         self.marks.noted(reply)
 
     async def _sends(self, parts: Sequence[Folded]) -> None:
-        """Step 5: keyed batches, dead letters, alerts; every ack awaited (nothing is lost
+        """Step 5: keyed batches, dead letters, then every unsent alert (this batch's and
+        those an earlier batch could not get acked); every ack awaited (nothing is lost
         in a crash); then the marks step 4 held back."""
         sent: list[Awaitable[Any]] = []
         for part in parts:
             sent += [await self.outbox.keyed(b) for b in part.result.remote]
             sent += [await self.outbox.dead_letter(r) for r in part.result.refusals]
-            sent += [await self.outbox.alert(a) for a in part.result.alerts]
+        alerts = list(self.unsent.values())
+        sent += [await self.outbox.alert(a) for a in alerts]
         await asyncio.gather(*sent)
+        for alert in alerts:
+            self.unsent.pop(alert.alert_id, None)
         if any(part.result.remote for part in parts):
             lasts = [part.last for part in parts]
             marks = self.marks.advance(lasts)

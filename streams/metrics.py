@@ -97,3 +97,8 @@ STORE_ERRORS = Counter(
     "after a backoff (0.1 s doubling to 5 s), never a crash.",
     ["task"],
 )
+UNSENT_ALERTS = Gauge(
+    "spendgate_worker_unsent_alerts",
+    "Alerts whose crossing is recorded but that the broker has not acked yet; sent again "
+    "with every batch until it has (at least once, deterministic ids); all agents.",
+)
