@@ -28,6 +28,7 @@ from spendgate.streams.ledger import KeyState
 from spendgate.streams.marks import Watermarks
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
+from spendgate.streams.retry import STORE_ERRORS, StoreRetry
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 from spendgate.streams.settings import WorkerSettings
 
@@ -86,6 +87,8 @@ class RedisKeeper:
         self.offsets = OffsetReader(settings.kafka_bootstrap)
         #: (topic, partition) -> next offset to handle (last handled + 1).
         self.handled: dict[tuple[str, int], int] = {}
+        #: Its Redis errors: counted, logged, the next tick after the backoff.
+        self.retry = StoreRetry("keep_redis")
 
     # -- what faust tells it --------------------------------------------------------------
 
@@ -116,10 +119,15 @@ class RedisKeeper:
             self.wake.clear()
             if not self.book.ready.is_set():
                 continue
+            await self.retry.wait()
             try:
                 await self.tick()
+            except STORE_ERRORS as exc:
+                self.retry.failed(exc)
             except Exception as exc:  # noqa: BLE001 - the loop must go on
                 logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
+            else:
+                self.retry.succeeded()
 
     async def tick(self) -> None:
         """One round: claim and publish, restore, advance the idle marks."""

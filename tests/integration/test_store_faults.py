@@ -136,10 +136,13 @@ class TestRedisOutage:
                 await asyncio.sleep(0.5)
             own_redis.start()  # empty: no persistence
             back = time.monotonic()
-            while time.monotonic() - back < 2.0:
-                await send(12)
-                await asyncio.sleep(0.5)
 
+            async def more() -> None:
+                while time.monotonic() - back < 2.0:
+                    await send(12)
+                    await asyncio.sleep(0.5)
+
+            load = asyncio.create_task(more())
             await eventually(
                 lambda: _safe(lambda: all_marked(client, prefix, int(STALENESS_S * 1000))),
                 timeout_s=STALENESS_S,
@@ -147,6 +150,7 @@ class TestRedisOutage:
             )
             resumed_s = time.monotonic() - back
             print(f"marks resumed {resumed_s:.1f} s after Redis came back")
+            await load
 
             total = sum(sent.values())
             await eventually(
