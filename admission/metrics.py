@@ -117,3 +117,9 @@ PIECES_SWEPT = Counter(
     "Pieces of cross-shard reservations found past their deadline by a sweeper",
     ["result"],
 )
+STORE_ERRORS = Counter(
+    "spendgate_admission_store_errors_total",
+    "Redis errors met by admission's background tasks (unlisting acked reserves, sweeps), "
+    "by task; each is retried after a backoff (0.1 s doubling to 5 s), never a dead task.",
+    ["task"],
+)

@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from spendgate.admission.metrics import (
     PIECES_SWEPT,
     RESERVES_REPUBLISHED,
     RESERVES_UNRECOVERABLE,
+    STORE_ERRORS,
 )
 from spendgate.admission.pieces import release_args
 from spendgate.admission.publisher import UsagePublisher
@@ -50,6 +50,8 @@ from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, reserve_event_from_
 from spendgate.admission.scripts import claim_unpublished, tombstone
 from spendgate.admission.scripts.claim_unpublished import ClaimArgs, ClaimReply
 from spendgate.admission.scripts.tombstone import TombstoneArgs
+from spendgate.schemas.backoff import STORE_ERRORS as _REDIS_ERRORS
+from spendgate.schemas.backoff import Backoff
 from spendgate.schemas.events import ReserveEvent, UsageEvent
 from spendgate.schemas.layout import Layout
 from spendgate.schemas.luascript import LuaScript, run_script
@@ -73,10 +75,25 @@ ZREM_CHUNK = 1_000
 #: Acked reserves waiting to be unlisted while Redis is unreachable; beyond this the
 #: oldest are forgotten (they are only republished once more: harmless).
 ACKED_BACKLOG = 100_000
-#: After a failed ZREM, wait this long before trying again.
-RETRY_S = 0.5
 
-_REDIS_ERRORS = (RedisError, OSError)
+
+def _failed(task: str, backoff: Backoff, exc: BaseException) -> float:
+    """Count and log one failure of a background task; returns the delay before its
+    next try (``backoff``)."""
+    delay = backoff.failed()
+    store = isinstance(exc, _REDIS_ERRORS)
+    if store:
+        STORE_ERRORS.labels(task=task).inc()
+    logger.warning(
+        "%s: task=%s attempt=%d retry_in_s=%.2f error=%s: %s",
+        "store error" if store else "background task failed",
+        task,
+        backoff.failures,
+        delay,
+        type(exc).__name__,
+        exc,
+    )
+    return delay
 
 
 class ReserveSweeper:
@@ -315,27 +332,38 @@ class ReserveSweeper:
         return count, len(events)
 
     async def _flush_loop(self) -> None:
+        # Never a dead task: any failure keeps the ids (flush_acked puts them back) and is
+        # tried again after the backoff.
+        backoff = Backoff()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             try:
                 await self.flush_acked()
-            except _REDIS_ERRORS as exc:
-                logger.warning("unlisting acked reserves failed (%s); retrying", exc)
-                await asyncio.sleep(RETRY_S)
+            except Exception as exc:  # noqa: BLE001 - a Redis error above all; any: retry
+                await asyncio.sleep(_failed("unlist_acked", backoff, exc))
                 self._wakeup.set()
+            else:
+                backoff.succeeded()
 
     async def _sweep_loop(self) -> None:
+        # Every interval_s; after a failure sooner, on the backoff (at most interval_s),
+        # so the sweeps resume as soon as Redis answers again. Never a dead task.
+        backoffs = {"sweep_reserves": Backoff(), "sweep_pieces": Backoff()}
+        wait_s = self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.sweep()
-            except _REDIS_ERRORS as exc:
-                logger.warning("sweeping unpublished reserves failed (%s); retrying", exc)
-            try:
-                await self.sweep_pieces()
-            except _REDIS_ERRORS as exc:
-                logger.warning("sweeping abandoned pieces failed (%s); retrying", exc)
+            await asyncio.sleep(wait_s)
+            wait_s = self.interval_s
+            for task, sweep in (
+                ("sweep_reserves", self.sweep),
+                ("sweep_pieces", self.sweep_pieces),
+            ):
+                try:
+                    await sweep()
+                except Exception as exc:  # noqa: BLE001 - a Redis error above all; any: retry
+                    wait_s = min(wait_s, _failed(task, backoffs[task], exc))
+                else:
+                    backoffs[task].succeeded()
 
     async def __aenter__(self) -> ReserveSweeper:
         self._wakeup = asyncio.Event()
