@@ -9,7 +9,7 @@ __all__ = ["STORE_ERRORS", "Backoff"]
 #: A Redis call that failed: refused, timed out, a cluster without a slot's master (a
 #: failover), a script error. Each is a retry in the services' background work, never a
 #: crash (``asyncio.TimeoutError`` is ``TimeoutError``: a bounded trip that ran out).
-STORE_ERRORS: tuple[type[BaseException], ...] = (
+STORE_ERRORS: tuple[type[Exception], ...] = (
     RedisError,
     RedisClusterException,
     OSError,
