@@ -32,7 +32,13 @@ from spendgate.streams.drift import DriftCheck
 from spendgate.streams.effects import FoldResult
 from spendgate.streams.faust_io import FaustTable, StreamAcks, TopicOutbox
 from spendgate.streams.fold import KeyedMessage, UsageRecord, fold_keyed, fold_usage
-from spendgate.streams.gaps import Positions, committed_offset, missing_range, read_range
+from spendgate.streams.gaps import (
+    Positions,
+    applied_offset,
+    committed_offset,
+    missing_range,
+    read_range,
+)
 from spendgate.streams.health import WorkerHealth
 from spendgate.streams.id_rebuild import rebuild_ids
 from spendgate.streams.keeper import RedisKeeper
@@ -289,14 +295,19 @@ class Worker:
     async def skipped(
         self, positions: Positions, topic: str, partition: int, offset: int
     ) -> list[Any]:
-        """Records of this partition the stream skipped before ``offset`` (read back)."""
+        """Records of this partition the stream skipped before ``offset`` (read back).
+
+        On a partition's first batch since an assignment, from the earlier of the group's
+        commit and the last offset the table applied (``streams.gaps``: a commit can run
+        ahead of the table)."""
         bootstrap = self.settings.kafka_bootstrap
         last = positions.last(partition)
         tp = TopicPartition(topic, partition)
-        committed = (
-            await committed_offset(bootstrap, self.settings.app_id, tp) if last is None else None
-        )
-        wanted = missing_range(last, committed, offset)
+        committed = applied = None
+        if last is None:
+            committed = await committed_offset(bootstrap, self.settings.app_id, tp)
+            applied = applied_offset(self.table, topic, partition)
+        wanted = missing_range(last, committed, offset, applied)
         if not wanted:
             return []
         records = await read_range(bootstrap, tp, wanted)

@@ -132,10 +132,13 @@ class BatchCommit:
     1. **fold** each partition's records (``fold``: read back what the stream skipped,
        rebuild dedupe ids, fold);
     2. **table writes**: that partition's changed keys, at once after its fold (the
-       table's cached states as new as the table; the keys marked in flight to Redis);
-    3. **changelog**: each table write queued its changelog record on the producer; faust
-       flushes the producer before it commits an offset (step 6), so the changelog is
-       never behind the offsets. Nothing is awaited here: a crash before step 6 folds the
+       table's cached states as new as the table; the keys marked in flight to Redis),
+       then the last offset they applied (``streams.gaps.applied_key``): a partition new
+       to an agent is read back from there when the group's commit ran ahead of it;
+    3. **changelog**: each table write queued its changelog record on faust's producer
+       buffer; step 6 acks only once that buffer handed them to the producer, and faust
+       flushes the producer before it commits an acked offset, so the changelog is never
+       behind the offsets. Nothing is awaited here: a crash before step 6 folds the
        batch again from the table, where its records are redeliveries (applied once,
        never twice);
     4. **Redis with marks**: one pipeline for the whole batch: windows, absorbed
@@ -145,7 +148,8 @@ class BatchCommit:
        the table and in Redis; with them every alert an earlier batch could not get acked),
        every broker ack awaited; then the marks held back in 4;
     6. **offsets**: the batch counted and its positions noted (``done``), then every event
-       acked.
+       acked (``streams.faust_io.StreamAcks``: once the changelog writes left faust's
+       buffer).
 
     Any failure before 6 leaves the offsets uncommitted, drops the cached states and
     raises: the records come again, and the table applies them once. What steps 2 wrote

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spendgate.streams import metrics
+from spendgate.streams.gaps import is_budget_key
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
@@ -29,7 +30,8 @@ class DriftCycle:
     def next_keys(self, table: Any, budget: int) -> list[str]:
         """Up to ``budget`` keys after the ones already visited in this cycle."""
         if self._keys is None:
-            self._keys, self._started = iter(list(table.keys())), time.monotonic()
+            keys = [k for k in table if is_budget_key(k)]  # not the positions
+            self._keys, self._started = iter(keys), time.monotonic()
         out = list(itertools.islice(self._keys, budget))
         if len(out) < budget:
             metrics.DRIFT_CYCLE.set(time.monotonic() - self._started)

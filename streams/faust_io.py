@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Awaitable, Iterator, Sequence
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from faust.streams import _current_event
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.deadletter import dead_letter
 from spendgate.streams.effects import KeyWrite, Refusal
+from spendgate.streams.gaps import applied_key, is_budget_key
 from spendgate.streams.remote import RemoteBatch
 from spendgate.streams.statecache import StateCache
 
@@ -28,12 +30,17 @@ class FaustTable:
         self.states = states
 
     def write(self, events: Sequence[Any], writes: Sequence[KeyWrite]) -> None:
-        """Write one partition's changed keys; ``events`` are the faust events of that
-        partition (faust writes to the changelog partition of the current event)."""
+        """Write one partition's changed keys, then the last offset they applied
+        (``streams.gaps.applied_key``: after them in the same changelog partition, so a
+        table restored from it never holds a position ahead of its states); ``events``
+        are the faust events of that partition (faust writes to the changelog partition
+        of the current event)."""
+        last = events[-1].message
         with current_event_of(events[-1]):
             for w in writes:
                 if w.changed:
                     self.table[w.key] = w.table_value()
+            self.table[applied_key(last.topic, last.partition)] = str(last.offset).encode()
         # The same step as the table write (no await between): as new as the table.
         self.states.put((w.key, w.state) for w in writes if w.changed)
 
@@ -79,17 +86,53 @@ class TopicOutbox:
         return fut
 
 
+#: How long the acks of a batch wait for its changelog writes to leave faust's buffer.
+DRAIN_TIMEOUT_S = 30.0
+
+
 class StreamAcks:
     """Source offsets (``streams.commit.OffsetCommitter``) as acks of one faust stream."""
 
-    def __init__(self, stream: faust.StreamT[Any]) -> None:
+    def __init__(self, stream: faust.StreamT[Any], drain_timeout_s: float = DRAIN_TIMEOUT_S):
         self.stream = stream
+        self.drain_timeout_s = drain_timeout_s
 
     async def commit(self, events: Sequence[Any]) -> None:
-        """Ack ``events``: faust commits acked offsets on its interval, its producer (the
-        changelog) flushed first."""
+        """Ack ``events`` once the batch's changelog writes have left faust's producer
+        buffer: faust commits acked offsets on its interval after flushing its producer,
+        but that flush gives up on the buffer after 0.1 s without a send
+        (``ProducerBuffer.flush_atmost``), and commits offsets whose changelog writes are
+        still queued; a kill then leaves the commit ahead of the changelog
+        (``streams.gaps``). Handed to the producer first, the writes are in the flush that
+        precedes the commit.
+
+        Raises:
+            TimeoutError: the buffer did not drain in ``drain_timeout_s``; nothing acked
+                (the records come again).
+        """
+        await drain(self.stream.app.producer, self.drain_timeout_s)
         for event in events:
             await self.stream.ack(event)
+
+
+async def drain(producer: Any, timeout_s: float) -> None:
+    """Wait until faust's producer buffer has handed every queued message to the producer.
+
+    Raises:
+        TimeoutError: still not empty after ``timeout_s``.
+    """
+    buffer = getattr(producer, "buffer", None)
+    if buffer is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while buffer.size:
+        if loop.time() > deadline:
+            raise TimeoutError(f"faust's producer buffer still holds {buffer.size} messages")
+        # Returns after 0.1 s without a send, or once the buffer is empty.
+        await buffer.flush_atmost(buffer.size)
+    # The last message taken from the queue is handed to the producer in this step.
+    await asyncio.sleep(0)
 
 
 @contextmanager
@@ -104,16 +147,19 @@ def current_event_of(event: Any) -> Iterator[None]:
 
 
 def table_items(table: Any, partitions: set[int]) -> Iterator[tuple[str, bytes]]:
-    """The decoded (key, value) pairs of ``table`` held in ``partitions`` (RocksDB keeps
-    one database per partition; any other store is read whole)."""
+    """The decoded (key, value) pairs of the budget keys of ``table`` held in
+    ``partitions`` (RocksDB keeps one database per partition; any other store is read
+    whole); the applied positions (``streams.gaps``) are left out."""
     store = table.data
     dbs = getattr(store, "_dbs", None)
     if dbs is None or not hasattr(store, "_visible_items"):
-        yield from table.items()
+        yield from ((k, v) for k, v in table.items() if is_budget_key(k))
         return
     for partition in sorted(partitions):
         db = dbs.get(partition)
         if db is None:
             continue
         for raw_key, raw_value in store._visible_items(db):
-            yield store._decode_key(raw_key), store._decode_value(raw_value)
+            key = store._decode_key(raw_key)
+            if is_budget_key(key):
+                yield key, store._decode_value(raw_value)

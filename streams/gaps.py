@@ -10,9 +10,23 @@ started 1,099 records in, on a partition the group had never committed). Records
 had already committed were handled by a previous owner; those from the committed offset on
 may or may not have been, which is safe to repeat: keys recognise what they applied by
 position.
+
+The group's committed offset alone is no proof that the records before it were applied:
+faust acks the records it skips (an event of an older generation after a rebalance, or
+read while the flow is suspended) without the agent seeing them, and commits them with
+the others, and its commit does not wait for every changelog write it flushes (a buffer
+flush that ends after 0.1 s without a send). A worker killed then leaves a commit ahead
+of its table, and the next owner would resume past records no key has applied: a
+``reserve`` lost that way leaves its ``commit`` to charge at its own instant (one amount
+in the wrong bucket). So the table itself records, per source partition, the last offset
+it applied (:func:`applied_key`, written in the same step as the key states of each
+batch, in the same changelog partition after them), and a partition new to an agent is
+read back from the earlier of that position and the group's commit.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -20,10 +34,43 @@ from aiokafka.structs import ConsumerRecord
 
 from spendgate.streams.kafka_util import assign, stop
 
-__all__ = ["Positions", "committed_offset", "missing_range", "read_range"]
+__all__ = [
+    "APPLIED_PREFIX",
+    "Positions",
+    "applied_key",
+    "applied_offset",
+    "committed_offset",
+    "is_budget_key",
+    "missing_range",
+    "read_range",
+]
+
+#: Table keys of the applied positions start with this; a budget key never does (it starts
+#: with a policy id, ``[a-z0-9._-]``).
+APPLIED_PREFIX = "~applied|"
 
 
-def missing_range(last: int | None, committed: int | None, offset: int) -> range:
+def applied_key(topic: str, partition: int) -> str:
+    """The table key holding the last offset of ``topic``'s ``partition`` whose records the
+    table has applied (its value: the offset in decimal ASCII)."""
+    return f"{APPLIED_PREFIX}{topic}|{partition}"
+
+
+def is_budget_key(key: str) -> bool:
+    """Whether a table key is a budget key's state (not an applied position)."""
+    return not key.startswith(APPLIED_PREFIX)
+
+
+def applied_offset(table: Any, topic: str, partition: int) -> int | None:
+    """The last offset of ``topic``'s ``partition`` the table has applied (None: unknown,
+    a table written before positions were kept or a partition never applied)."""
+    raw = table.get(applied_key(topic, partition))
+    return int(raw) if raw else None
+
+
+def missing_range(
+    last: int | None, committed: int | None, offset: int, applied: int | None = None
+) -> range:
     """The offsets to handle before the record at ``offset``.
 
     Args:
@@ -33,12 +80,17 @@ def missing_range(last: int | None, committed: int | None, offset: int) -> range
             the group has none (the consumer starts at the earliest record, so everything
             before ``offset`` was skipped); None when nothing is known.
         offset: the offset of the record about to be handled.
+        applied: the last offset the table has applied (:func:`applied_offset`; None:
+            unknown). A commit ahead of it (faust committed records the table never got)
+            is not trusted: everything after it is read back.
 
     Returns:
         ``range(start, offset)``, empty when nothing was skipped.
     """
     if last is not None:
         return range(last + 1, offset)
+    if applied is not None and (committed is None or applied + 1 < committed):
+        committed = applied + 1
     if committed is None:
         return range(offset, offset)
     return range(min(committed, offset), offset)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from spendgate.streams.gaps import Positions, missing_range
+from spendgate.streams.gaps import (
+    Positions,
+    applied_key,
+    applied_offset,
+    is_budget_key,
+    missing_range,
+)
 
 
 class TestMissingRange:
@@ -30,6 +36,33 @@ class TestMissingRange:
 
     def test_a_commit_ahead_of_the_stream_reads_nothing(self) -> None:
         assert list(missing_range(None, 900, 850)) == []
+
+    def test_a_commit_ahead_of_the_table_is_read_back_from_what_the_table_applied(self) -> None:
+        # faust committed 503 (records it acked as skipped among them); the table applied
+        # up to 499: 500..502 were never applied, whatever the commit says.
+        assert list(missing_range(None, 503, 503, applied=499)) == [500, 501, 502]
+        assert list(missing_range(None, None, 503, applied=501)) == [502]
+
+    def test_a_table_at_or_ahead_of_the_commit_changes_nothing(self) -> None:
+        assert list(missing_range(None, 500, 500, applied=499)) == []
+        assert list(missing_range(None, 500, 500, applied=520)) == []
+        assert list(missing_range(None, 500, 503, applied=520)) == [500, 501, 502]
+
+    def test_mid_stream_the_last_offset_handled_decides(self) -> None:
+        assert list(missing_range(41, 60, 42, applied=10)) == []
+
+
+class TestAppliedPositions:
+    def test_a_position_has_its_own_key_per_topic_and_partition(self) -> None:
+        assert applied_key("budget.usage", 3) == "~applied|budget.usage|3"
+        assert applied_key("budget.usage", 3) != applied_key("app-keyed", 3)
+        assert not is_budget_key(applied_key("budget.usage", 3))
+        assert is_budget_key("daily|tenant=acme") and is_budget_key("a.b-c_d|model=~x")
+
+    def test_the_table_position_is_read_as_an_offset(self) -> None:
+        table = {applied_key("usage", 0): b"41"}
+        assert applied_offset(table, "usage", 0) == 41
+        assert applied_offset(table, "usage", 1) is None
 
 
 class TestPositions:
