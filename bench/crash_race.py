@@ -313,7 +313,8 @@ async def _drive(variant: str, tmp: Path, outcome: Outcome) -> None:
 async def unapplied(settings: Any, key_stem: str, data_dir: Path | None) -> tuple[int, list[str]]:
     """The usage records below the group's committed offset that the table the next worker
     starts from has not applied: a worker started on ``data_dir`` (a killed worker's
-    folder) resumes at the committed offset and never reads them again.
+    folder) resumes at the committed offset (or at the table's own applied position when
+    that is earlier, once the table keeps one) and never reads them again.
 
     That table is what faust's recovery makes of the folder: each partition's database,
     then the changelog replayed over it from the offset the database last persisted (on
@@ -357,6 +358,12 @@ async def unapplied(settings: Any, key_stem: str, data_dir: Path | None) -> tupl
         for k, v in values.items()
         if v is not None and k.startswith(b'"' + key_stem.encode())
     }
+    # A worker that keeps the last offset its table applied (streams.gaps) resumes at the
+    # earlier of that and the commit.
+    for partition in list(done):
+        applied = values.get(json.dumps(f"~applied|{usage}|{partition}").encode())
+        if applied:
+            done[partition] = min(done[partition], int(applied) + 1)
     seen: set[tuple[int, str]] = set()
     missing: list[str] = []
     for rec in await read_records(settings.kafka_bootstrap, usage):
