@@ -80,7 +80,8 @@ class RedisWriter(Protocol):
     async def write_batch(
         self, writes: Sequence[KeyWrite], marks: Sequence[MarkWrite] = (), presence: str = ""
     ) -> MarkReply | None:
-        """The batch's windows, then its marks, in one pipeline."""
+        """The batch's windows in one pipeline, then, once every window step succeeded,
+        its marks."""
 
     async def write_marks(self, marks: Sequence[MarkWrite], presence: str) -> MarkReply:
         """Marks alone (fenced)."""
@@ -142,8 +143,9 @@ class BatchCommit:
        batch again from the table, where its records are redeliveries (applied once,
        never twice);
     4. **Redis with marks**: one pipeline for the whole batch: windows, absorbed
-       reservations, overage marks, then the marks the batch advanced, unless it sent keyed
-       batches (a usage mark vouches for those only once the broker has them);
+       reservations, overage marks; then, once every one of them succeeded, the marks the
+       batch advanced, unless it sent keyed batches (a usage mark vouches for those only
+       once the broker has them);
     5. **sends**: keyed batches, dead letters and alerts (alerts only once the state is in
        the table and in Redis; with them every alert an earlier batch could not get acked),
        every broker ack awaited; then the marks held back in 4;
@@ -255,7 +257,7 @@ class BatchCommit:
 
     async def _redis(self, parts: Sequence[Folded], touched: set[str]) -> None:
         """Step 4: the batch's windows (and those carried from a failed batch) and, unless
-        it sent keyed batches, its marks, in one pipeline."""
+        it sent keyed batches, its marks once every window step succeeded."""
         due = self._with_unmirrored([w for part in parts for w in part.result.writes])
         try:
             later = any(part.result.remote for part in parts)
