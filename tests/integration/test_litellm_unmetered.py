@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -14,70 +12,43 @@ import pytest
 
 from spendgate.schemas.events import Usage
 from tests.fixtures.admission import free_port
+from tests.fixtures.litellm_stack import KEY
 
-pytestmark = pytest.mark.integration
-
-LITELLM_TOUCHES = (
-    "uvicorn.access",
-    "uvicorn.error",
-    "httpx",
-    "asyncio",
-    "backoff",
-    "apscheduler.scheduler",
-    "apscheduler.executors.default",
-)
-
-KEY = SimpleNamespace(api_key="hash-1", team_id="acme", user_id="u1")
+# No service: admission is an address nobody listens on (not marked integration).
 
 
 @pytest.fixture(scope="module")
-def integration() -> Iterator[ModuleType]:
-    """``spendgate.integrations.litellm``, with the loggers litellm's import changes
-    restored after this module's tests (as ``test_litellm_unreachable`` does)."""
-    saved = {
-        name: (list(logging.getLogger(name).filters), logging.getLogger(name).level)
-        for name in LITELLM_TOUCHES
-    }
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
-    yield importlib.import_module("spendgate.integrations.litellm")
-    for name, (filters, level) in saved.items():
-        logger = logging.getLogger(name)
-        logger.filters[:] = filters
-        logger.setLevel(level)
-
-
-@pytest.fixture(scope="module")
-def calls(integration: ModuleType) -> ModuleType:
+def calls(litellm_callback: ModuleType) -> ModuleType:
     return importlib.import_module("spendgate.integrations.litellm_calls")
 
 
-def _handler(integration: ModuleType, **settings: Any) -> Any:
+def _handler(litellm_callback: ModuleType, **settings: Any) -> Any:
     # A dead admission: an admit would fail closed (503), so a 403 or a pass shows the
     # unmetered setting decided without asking admission.
     dead = f"http://127.0.0.1:{free_port()}"
-    return integration.SpendgateLogger(
-        integration.LiteLLMSettings(admission_url=dead, retries=0, **settings)
+    return litellm_callback.SpendgateLogger(
+        litellm_callback.LiteLLMSettings(admission_url=dead, retries=0, **settings)
     )
 
 
-def _count(integration: ModuleType, call_type: str, mode: str) -> float:
-    value = integration.UNMETERED.labels(call_type=call_type, mode=mode)._value.get()
+def _count(litellm_callback: ModuleType, call_type: str, mode: str) -> float:
+    value = litellm_callback.UNMETERED.labels(call_type=call_type, mode=mode)._value.get()
     return float(value)
 
 
-def _decided(integration: ModuleType, decision: str, call_type: str) -> float:
-    value = integration.DECISIONS.labels(decision=decision, call_type=call_type)._value.get()
+def _decided(litellm_callback: ModuleType, decision: str, call_type: str) -> float:
+    value = litellm_callback.DECISIONS.labels(decision=decision, call_type=call_type)._value.get()
     return float(value)
 
 
 class TestUnmetered:
     async def test_reject_refuses_an_unknown_call_type_with_a_clear_error(
-        self, integration: ModuleType
+        self, litellm_callback: ModuleType
     ) -> None:
-        handler = _handler(integration, unmetered="reject")
-        before = _count(integration, "avideo_generation", "reject")
-        decided = _decided(integration, "reject", "avideo_generation")
-        with pytest.raises(integration.SpendgateRefusal) as refused:
+        handler = _handler(litellm_callback, unmetered="reject")
+        before = _count(litellm_callback, "avideo_generation", "reject")
+        decided = _decided(litellm_callback, "reject", "avideo_generation")
+        with pytest.raises(litellm_callback.SpendgateRefusal) as refused:
             await handler.async_pre_call_hook(
                 KEY, None, {"model": "sora", "prompt": "x"}, "avideo_generation"
             )
@@ -87,43 +58,43 @@ class TestUnmetered:
         assert "SPENDGATE_LITELLM_UNMETERED=reject" in error.message
         assert error.headers["x-should-retry"] == "false"
         assert error.provider_specific_fields["spendgate"]["call_type"] == "avideo_generation"
-        assert _count(integration, "avideo_generation", "reject") == before + 1
-        assert _decided(integration, "reject", "avideo_generation") == decided + 1
+        assert _count(litellm_callback, "avideo_generation", "reject") == before + 1
+        assert _decided(litellm_callback, "reject", "avideo_generation") == decided + 1
         # Known call types are still admitted (here: admission unreachable, closed).
-        with pytest.raises(integration.SpendgateRefusal) as unavailable:
+        with pytest.raises(litellm_callback.SpendgateRefusal) as unavailable:
             await handler.async_pre_call_hook(KEY, None, {"model": "m", "input": "x"}, "aembedding")
         assert unavailable.value.status_code == 503
         await handler.aclose()
 
     async def test_pass_forwards_it_and_says_so_once_per_type(
-        self, integration: ModuleType, caplog: pytest.LogCaptureFixture
+        self, litellm_callback: ModuleType, caplog: pytest.LogCaptureFixture
     ) -> None:
-        handler = _handler(integration, unmetered="pass")
+        handler = _handler(litellm_callback, unmetered="pass")
         data = {"model": "m", "input": "x"}
-        before = _count(integration, "asearch", "pass")
-        with caplog.at_level(logging.WARNING, logger=integration.__name__):
+        before = _count(litellm_callback, "asearch", "pass")
+        with caplog.at_level(logging.WARNING, logger=litellm_callback.__name__):
             for _ in range(3):
                 assert await handler.async_pre_call_hook(KEY, None, dict(data), "asearch") == data
             await handler.async_pre_call_hook(KEY, None, dict(data), "aocr")
         said = [r.getMessage() for r in caplog.records if "passes unmetered" in r.getMessage()]
         assert len(said) == 2 and "'asearch'" in said[0] and "'aocr'" in said[1]
         # Passed, yet counted by type: never silently.
-        assert _count(integration, "asearch", "pass") == before + 3
+        assert _count(litellm_callback, "asearch", "pass") == before + 3
         await handler.aclose()
 
     async def test_count_is_the_default_and_admits_one_request(
-        self, integration: ModuleType
+        self, litellm_callback: ModuleType
     ) -> None:
-        handler = _handler(integration)
+        handler = _handler(litellm_callback)
         assert handler.settings.unmetered == "count"
         # Counting asks admission: unreachable here, so the call fails closed.
-        with pytest.raises(integration.SpendgateRefusal) as refused:
+        with pytest.raises(litellm_callback.SpendgateRefusal) as refused:
             await handler.async_pre_call_hook(KEY, None, {"model": "m"}, "asearch")
         assert refused.value.status_code == 503
         await handler.aclose()
 
-    async def test_calls_that_reach_no_model_are_free(self, integration: ModuleType) -> None:
-        handler = _handler(integration, unmetered="reject")
+    async def test_calls_that_reach_no_model_are_free(self, litellm_callback: ModuleType) -> None:
+        handler = _handler(litellm_callback, unmetered="reject")
         data = {"model": "m", "purpose": "batch"}
         assert await handler.async_pre_call_hook(KEY, None, dict(data), "acreate_file") == data
         assert await handler.async_pre_call_hook(KEY, None, dict(data), "aretrieve_batch") == data

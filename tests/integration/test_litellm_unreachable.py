@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import logging
-import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -19,42 +16,12 @@ from spendgate.streams.policy_admin import publish_policies
 from spendgate.streams.settings import WorkerSettings
 from tests.fixtures.admission import free_port
 from tests.fixtures.factories import PolicyFactory
+from tests.fixtures.litellm_stack import KEY
 
 if TYPE_CHECKING:
     from spendgate.integrations.litellm import SpendgateLogger
 
 pytestmark = pytest.mark.integration
-
-#: The loggers litellm's import changes (filters on uvicorn's access log, levels), so the
-#: tests that run after these in the same process see their own logging untouched.
-LITELLM_TOUCHES = (
-    "uvicorn.access",
-    "uvicorn.error",
-    "httpx",
-    "asyncio",
-    "backoff",
-    "apscheduler.scheduler",
-    "apscheduler.executors.default",
-)
-
-
-@pytest.fixture(scope="module")
-def integration() -> Iterator[ModuleType]:
-    """``spendgate.integrations.litellm``, imported here rather than at collection, with
-    the loggers litellm's import changed restored after this module's tests."""
-    saved = {
-        name: (list(logging.getLogger(name).filters), logging.getLogger(name).level)
-        for name in LITELLM_TOUCHES
-    }
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
-    yield importlib.import_module("spendgate.integrations.litellm")
-    for name, (filters, level) in saved.items():
-        logger = logging.getLogger(name)
-        logger.filters[:] = filters
-        logger.setLevel(level)
-
-
-KEY = SimpleNamespace(api_key="hash-1", team_id="acme", user_id="u1")
 
 
 def _data(text: str = "hello") -> dict[str, Any]:
@@ -93,25 +60,27 @@ async def stuck_admission(request: pytest.FixtureRequest) -> AsyncIterator[str]:
     await server.wait_closed()
 
 
-async def _handler(integration: ModuleType, **settings: Any) -> SpendgateLogger:
-    handler: SpendgateLogger = integration.SpendgateLogger(integration.LiteLLMSettings(**settings))
+async def _handler(litellm_callback: ModuleType, **settings: Any) -> SpendgateLogger:
+    handler: SpendgateLogger = litellm_callback.SpendgateLogger(
+        litellm_callback.LiteLLMSettings(**settings)
+    )
     await handler.start()
     return handler
 
 
 class TestUnreachable:
     async def test_a_stuck_admission_is_given_up_on_within_the_deadline(
-        self, integration: ModuleType, stuck_admission: str
+        self, litellm_callback: ModuleType, stuck_admission: str
     ) -> None:
         # An admit's answer is read for up to timeout_s + 60 s (a delay policy may hold it
         # that long), so the two tries alone would wait over 120 s for a silent admission
         # and forever for a trickling one; the admit deadline, 0.3 * 2 + 0 + 1 = 1.6 s,
         # is what ends the wait.
         handler = await _handler(
-            integration, admission_url=stuck_admission, timeout_s=0.3, retries=1, max_hold_s=0
+            litellm_callback, admission_url=stuck_admission, timeout_s=0.3, retries=1, max_hold_s=0
         )
         started = time.monotonic()
-        with pytest.raises(integration.SpendgateRefusal) as refused:
+        with pytest.raises(litellm_callback.SpendgateRefusal) as refused:
             # A guard, far above the deadline: without it a missing deadline hangs the test.
             async with asyncio.timeout(15):
                 await handler.async_pre_call_hook(KEY, None, _data(), "acompletion")
@@ -123,17 +92,17 @@ class TestUnreachable:
         await handler.aclose()
 
     async def test_without_known_policies_the_setting_decides(
-        self, integration: ModuleType
+        self, litellm_callback: ModuleType
     ) -> None:
         dead = f"http://127.0.0.1:{free_port()}"
-        closed = await _handler(integration, admission_url=dead, retries=0)
-        with pytest.raises(integration.SpendgateRefusal) as refused:
+        closed = await _handler(litellm_callback, admission_url=dead, retries=0)
+        with pytest.raises(litellm_callback.SpendgateRefusal) as refused:
             await closed.async_pre_call_hook(KEY, None, _data(), "acompletion")
         # Refused as unavailable (retry soon), not as over budget.
         assert refused.value.status_code == 503
         assert refused.value.type == "service_unavailable"
         assert refused.value.headers["x-should-retry"] == "true"
-        opened = await _handler(integration, admission_url=dead, retries=0, unavailable="open")
+        opened = await _handler(litellm_callback, admission_url=dead, retries=0, unavailable="open")
         data = await opened.async_pre_call_hook(KEY, None, _data(), "acompletion")
         assert data["model"] == "big" and data["max_tokens"] == 1024
         await closed.aclose()
@@ -141,7 +110,7 @@ class TestUnreachable:
 
     async def test_the_policies_failure_modes_decide(
         self,
-        integration: ModuleType,
+        litellm_callback: ModuleType,
         worker_settings: WorkerSettings,
         policy_factory: PolicyFactory,
     ) -> None:
@@ -159,7 +128,7 @@ class TestUnreachable:
         )
         await publish_policies(worker_settings, [strict, lenient, local])
         handler = await _handler(
-            integration,
+            litellm_callback,
             admission_url=dead,
             retries=0,
             kafka_bootstrap=worker_settings.kafka_bootstrap,
@@ -170,7 +139,7 @@ class TestUnreachable:
             key = SimpleNamespace(api_key="hash-1", team_id=team)
             try:
                 await handler.async_pre_call_hook(key, None, _data(), "acompletion")
-            except integration.SpendgateRefusal as exc:
+            except litellm_callback.SpendgateRefusal as exc:
                 return exc.status_code
             return 200
 
