@@ -73,7 +73,9 @@ from spendgate.integrations.gateway import (
 from spendgate.integrations.litellm_calls import (
     Kind,
     SseUsage,
+    answer_cost,
     chunk_text,
+    cost_of,
     has_output,
     input_text,
     kind_of,
@@ -259,6 +261,13 @@ def _estimate(kind: Kind, prompt: int, output: int) -> Usage:
     return Usage(requests=1, cost_usd_micros=1)
 
 
+def _keep(remembered: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Remember ``key``, forgetting the oldest entries beyond :data:`MAX_OPEN_CALLS`."""
+    remembered[key] = value
+    while len(remembered) > MAX_OPEN_CALLS:
+        remembered.popitem(last=False)
+
+
 def _call_id(data: Mapping[str, Any]) -> str | None:
     """LiteLLM's call id (pass-through routes keep it on the logging object only)."""
     found = data.get("litellm_call_id") or getattr(
@@ -289,10 +298,6 @@ def _event_view(kwargs: Mapping[str, Any], batch: Any) -> RequestView:
         org_id=get("user_api_key_org_id"),
         metadata=own if isinstance(own, Mapping) else {},
     )
-
-
-def _cost_of(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and value > 0 else None
 
 
 def _metadata(data: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -411,9 +416,7 @@ class SpendgateLogger(CustomLogger):
             await self._client.aclose()
 
     def _remember(self, call_id: str, call: _Call) -> None:
-        self._calls[call_id] = call
-        while len(self._calls) > MAX_OPEN_CALLS:
-            self._calls.popitem(last=False)
+        _keep(self._calls, call_id, call)
 
     # -- hooks -----------------------------------------------------------------------
 
@@ -538,9 +541,7 @@ class SpendgateLogger(CustomLogger):
             await self._settle(call_id, reported(response))
         else:  # a batch, or an unknown call: one request
             self._submitted(call, response)
-            hidden = getattr(response, "_hidden_params", None)
-            cost = hidden.get("response_cost") if isinstance(hidden, Mapping) else None
-            await self._settle(call_id, one_request(_cost_of(cost)))
+            await self._settle(call_id, one_request(answer_cost(response)))
         return response
 
     async def async_log_success_event(
@@ -555,7 +556,7 @@ class SpendgateLogger(CustomLogger):
         call = self._calls.get(call_id)
         if call is None or call.stream is not None or call.kind in ("chat", "text"):
             return
-        cost = _cost_of(kwargs.get("response_cost"))
+        cost = cost_of(kwargs.get("response_cost"))
         usage = None
         if call.kind not in ("speech", "batch", "unknown"):
             usage = reported(response_obj, cost)
@@ -566,9 +567,7 @@ class SpendgateLogger(CustomLogger):
         """Remember who submitted a batch, to charge its usage to them."""
         batch_id = getattr(response, "id", None)
         if call.kind == "batch" and call.subject is not None and isinstance(batch_id, str):
-            self._batch_subjects[batch_id] = call.subject
-            while len(self._batch_subjects) > MAX_OPEN_CALLS:
-                self._batch_subjects.popitem(last=False)
+            _keep(self._batch_subjects, batch_id, call.subject)
 
     async def _batch_usage(self, kwargs: Mapping[str, Any], batch: Any) -> None:
         """Commit a finished batch's tokens and cost (LiteLLM computes them from its output
@@ -580,10 +579,7 @@ class SpendgateLogger(CustomLogger):
             return
         if getattr(batch, "status", None) not in BATCH_FINAL or batch_id in self._batches_done:
             return
-        hidden = getattr(batch, "_hidden_params", None)
-        cost = _cost_of(kwargs.get("response_cost")) or _cost_of(
-            hidden.get("response_cost") if isinstance(hidden, Mapping) else None
-        )
+        cost = cost_of(kwargs.get("response_cost")) or answer_cost(batch)
         used = reported(batch, cost)
         if used is None:
             return
@@ -591,9 +587,7 @@ class SpendgateLogger(CustomLogger):
         subject = self._batch_subjects.get(batch_id) or subject_of(
             self.settings.subject, _event_view(kwargs, batch)
         )
-        self._batches_done[batch_id] = None
-        while len(self._batches_done) > MAX_OPEN_CALLS:
-            self._batches_done.popitem(last=False)
+        _keep(self._batches_done, batch_id, None)
         client = self._admission()
         try:
             # Empty, with a cost of its own: nothing to price (the commit brings the cost).

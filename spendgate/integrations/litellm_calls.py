@@ -23,7 +23,9 @@ __all__ = [
     "FREE_CALLS",
     "Kind",
     "SseUsage",
+    "answer_cost",
     "chunk_text",
+    "cost_of",
     "has_output",
     "input_text",
     "kind_of",
@@ -183,8 +185,15 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
 
 
-def _cost(value: Any) -> float | None:
+def cost_of(value: Any) -> float | None:
+    """A ``response_cost`` LiteLLM computed (dollars), or None when it priced nothing."""
     return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def answer_cost(response: Any) -> float | None:
+    """The ``response_cost`` LiteLLM keeps in an answer's hidden params, if any."""
+    hidden = _get(response, "_hidden_params")
+    return cost_of(hidden.get("response_cost")) if isinstance(hidden, Mapping) else None
 
 
 def _usage_of(usage: Any, cost: float | None) -> Usage | None:
@@ -220,8 +229,7 @@ def reported(response: Any, cost: float | None = None) -> Usage | None:
         cost: LiteLLM's ``response_cost`` when the caller has it (else the answer's own).
     """
     if cost is None:
-        hidden = _get(response, "_hidden_params")
-        cost = _cost(hidden.get("response_cost")) if isinstance(hidden, Mapping) else None
+        cost = answer_cost(response)
     usage = _usage_of(_get(response, "usage"), cost)
     if usage is not None:
         return usage

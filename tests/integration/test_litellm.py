@@ -72,6 +72,21 @@ async def usage_events(
         await asyncio.sleep(0.2)
 
 
+async def hang_up_after(stream: Any, pieces: int, is_piece: Callable[[Any], bool]) -> int:
+    """Read ``stream`` until ``pieces`` of its items are ``is_piece`` (output), then close
+    it: the client hangs up while the provider's stream is still open. Returns how many
+    pieces it read."""
+    read = 0
+    async with asyncio.timeout(30):
+        async for item in stream:
+            if is_piece(item):
+                read += 1
+            if read == pieces:
+                break
+    await stream.close()
+    return read
+
+
 @pytest.fixture
 def tenant() -> str:
     return f"team-{uuid.uuid4().hex[:8]}"
@@ -227,14 +242,9 @@ class TestStreams:
         # The provider sends 150 of its 1000 tokens (past the first block of 100, so the
         # reservation was extended to 200) and then holds the stream open, still generating.
         stream = await chat(client, tenant, "tokens=1000 stall=150", max_tokens=1000, stream=True)
-        read = 0
-        async with asyncio.timeout(30):
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    read += 1
-                if read == 150:
-                    break
-        await stream.close()  # the client hangs up while the provider's stream is open
+        read = await hang_up_after(
+            stream, 150, lambda c: bool(c.choices and c.choices[0].delta.content)
+        )
         [served] = litellm_stack.stub.served[before:]
         assert served.stream and served.completion_tokens == 1000
         assert served.chunks_sent == read == 150
@@ -375,14 +385,7 @@ class TestResponses:
             metadata={"tenant": tenant},
             stream=True,
         )
-        read = 0
-        async with asyncio.timeout(30):
-            async for event in stream:
-                if event.type == "response.output_text.delta":
-                    read += 1
-                if read == 3:
-                    break
-        await stream.close()  # the client hangs up while the provider's stream is open
+        read = await hang_up_after(stream, 3, lambda e: e.type == "response.output_text.delta")
         [served] = litellm_stack.stub.served[before:]
         assert served.route == "responses" and served.chunks_sent == read == 3
         settled(litellm_stack, tenant, {requests.id: 1, output.id: 3})
@@ -493,14 +496,7 @@ class TestMessages:
             extra_body=meta(tenant),
             stream=True,
         )
-        read = 0
-        async with asyncio.timeout(30):
-            async for event in stream:
-                if event.type == "content_block_delta":
-                    read += 1
-                if read == 3:
-                    break
-        await stream.close()  # the client hangs up while the provider's stream is open
+        read = await hang_up_after(stream, 3, lambda e: e.type == "content_block_delta")
         [served] = litellm_stack.stub.served[before:]
         assert served.route == "messages" and served.chunks_sent == read == 3
         settled(litellm_stack, tenant, {requests.id: 1, output.id: 3})
