@@ -28,6 +28,9 @@ from typing import Any, Generic, Self, TypeVar
 
 from aiokafka import AIOKafkaProducer
 
+from spendgate.schemas import kafka_connect
+from spendgate.schemas.kafka_connect import KafkaConnection
+
 __all__ = ["BoundedProducer", "start_producer"]
 
 logger = logging.getLogger(__name__)
@@ -35,11 +38,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def start_producer(what: str, retry_s: float, **options: Any) -> AIOKafkaProducer:
-    """Start an aiokafka producer with ``options``, retrying every ``retry_s`` until it
-    starts (the service answers meanwhile); a cancelled start stops what it began."""
+async def start_producer(
+    what: str, retry_s: float, kafka: KafkaConnection, **options: Any
+) -> AIOKafkaProducer:
+    """Start an aiokafka producer on ``kafka`` with ``options``, retrying every ``retry_s``
+    until it starts (the service answers meanwhile); a cancelled start stops what it began."""
     while True:
-        producer = AIOKafkaProducer(**options)
+        producer = kafka_connect.producer(kafka, **options)
         try:
             await producer.start()
         except asyncio.CancelledError:
@@ -74,7 +79,7 @@ class BoundedProducer(Generic[T]):
 
     Args:
         what: the producer's name in logs.
-        bootstrap: Kafka bootstrap servers.
+        kafka: how to reach Kafka.
         topic: the topic sent to.
         capacity: items held at most, queued or in flight; one more is refused.
         retry_s: pause after a failed producer start or a failed pass.
@@ -85,7 +90,7 @@ class BoundedProducer(Generic[T]):
     def __init__(
         self,
         what: str,
-        bootstrap: str,
+        kafka: KafkaConnection,
         topic: str,
         capacity: int,
         *,
@@ -94,7 +99,7 @@ class BoundedProducer(Generic[T]):
         **options: Any,
     ) -> None:
         self.what = what
-        self.bootstrap = bootstrap
+        self.kafka = kafka
         self.topic = topic
         self.capacity = capacity
         self.retry_s = retry_s
@@ -187,9 +192,7 @@ class BoundedProducer(Generic[T]):
 
     async def _start(self) -> AIOKafkaProducer:
         """Start the producer (retrying until it starts)."""
-        return await start_producer(
-            self.what, self.retry_s, bootstrap_servers=self.bootstrap, **self.producer_options
-        )
+        return await start_producer(self.what, self.retry_s, self.kafka, **self.producer_options)
 
     async def _send_queued(self, producer: AIOKafkaProducer) -> None:
         """Hand what is queued to ``producer``: one pass of the sender. A subclass takes

@@ -14,6 +14,7 @@ from aiokafka import AIOKafkaProducer
 from spendgate.admission.metrics import PUBLISH_BUFFER, PUBLISH_RETRIES, UNPUBLISHED_AT_SHUTDOWN
 from spendgate.admission.outbound import BoundedProducer
 from spendgate.schemas.events import UsageEvent, partition_key
+from spendgate.schemas.kafka_connect import KafkaConnection
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class KafkaPublisher(BoundedProducer[UsageEvent]):
 
     def __init__(
         self,
-        bootstrap: str,
+        kafka: KafkaConnection,
         topic: str,
         buffer: int,
         retry_s: float = 0.5,
@@ -79,7 +80,7 @@ class KafkaPublisher(BoundedProducer[UsageEvent]):
     ) -> None:
         super().__init__(
             "Kafka producer",
-            bootstrap,
+            kafka,
             topic,
             buffer,
             retry_s=retry_s,

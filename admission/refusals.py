@@ -30,6 +30,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from spendgate.admission.metrics import REFUSALS
 from spendgate.admission.outbound import BoundedProducer
 from spendgate.schemas.events import partition_key
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.refusals import Refusal, RefusalGap
 
 __all__ = ["KafkaRefusals", "NoRefusals", "RefusalSink"]
@@ -60,7 +61,7 @@ class KafkaRefusals(BoundedProducer[Refusal]):
     """A bounded buffer of refusals drained to Kafka by a background task.
 
     Args:
-        bootstrap: Kafka bootstrap servers.
+        kafka: how to reach Kafka.
         topic: the refusals topic (``{prefix}refusals``).
         buffer: refusals held at most (waiting or in flight); one more is dropped.
         retry_s: pause after a failed send or producer start.
@@ -68,11 +69,16 @@ class KafkaRefusals(BoundedProducer[Refusal]):
     """
 
     def __init__(
-        self, bootstrap: str, topic: str, buffer: int, retry_s: float = 0.5, linger_s: float = 0.1
+        self,
+        kafka: KafkaConnection,
+        topic: str,
+        buffer: int,
+        retry_s: float = 0.5,
+        linger_s: float = 0.1,
     ) -> None:
         super().__init__(
             "refusals producer",
-            bootstrap,
+            kafka,
             topic,
             buffer,
             retry_s=retry_s,

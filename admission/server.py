@@ -85,10 +85,11 @@ def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetS
 
 def build_app(settings: AdmissionSettings) -> FastAPI:
     """The admission app whose lifespan opens Redis and the Kafka producer."""
+    kafka = settings.kafka()
     client = redis_client(settings)
     store = budget_store(settings, client)
     publisher = KafkaPublisher(
-        settings.kafka_bootstrap,
+        kafka,
         settings.topic("usage"),
         settings.publish_buffer,
         ack_timeout_s=settings.ack_timeout_s,
@@ -105,9 +106,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
         wait_ms=store.wait_ms,
     )
     publisher.on_acked = sweeper.acked
-    refusals = KafkaRefusals(
-        settings.kafka_bootstrap, settings.topic("refusals"), settings.refusal_buffer
-    )
+    refusals = KafkaRefusals(kafka, settings.topic("refusals"), settings.refusal_buffer)
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
     )

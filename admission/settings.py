@@ -7,16 +7,16 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from spendgate.schemas.kafka_connect import KafkaSettings
 from spendgate.schemas.key_settings import SubjectSecretSettings
 from spendgate.schemas.types import Switch
 
 
-class AdmissionSettings(SubjectSecretSettings):
+class AdmissionSettings(SubjectSecretSettings, KafkaSettings):
     """Everything the admission service reads from its environment."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster: keys are laid out by
     #: virtual shard (``schemas.layout``), a request spanning shards is admitted piece by

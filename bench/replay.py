@@ -133,7 +133,7 @@ async def _simulate(s: object) -> tuple[int, int, float]:
     from spendgate.streams.policybook import read_policies
 
     draft = list(
-        (await read_policies(s.kafka_bootstrap, s.topic("policies"), key_ids=s.key_ids())).values()
+        (await read_policies(s.kafka(), s.topic("policies"), key_ids=s.key_ids())).values()
     )  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     report = await simulate(s, draft)  # type: ignore[arg-type]

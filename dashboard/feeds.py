@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import httpx
-from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ValidationError
 
 from spendgate.dashboard.views import Scrape, parse_scrape, rates
+from spendgate.schemas import kafka_connect
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.streams.kafka_util import assign, partitions, stop
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,13 @@ class TopicFeed(Generic[M]):
 
     def __init__(
         self,
-        bootstrap: str,
+        kafka: KafkaConnection,
         topic: str,
         model: type[M],
         size: int,
         identity: Callable[[M], str] | None = None,
     ) -> None:
-        self.bootstrap = bootstrap
+        self.kafka = kafka
         self.topic = topic
         self.model = model
         self.identity = identity
@@ -54,7 +55,7 @@ class TopicFeed(Generic[M]):
             await asyncio.sleep(2.0)
 
     async def _follow(self) -> None:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        consumer = kafka_connect.consumer(self.kafka, enable_auto_commit=False)
         await consumer.start()
         try:
             tps = await partitions(consumer, self.topic)

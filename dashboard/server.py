@@ -29,12 +29,11 @@ def build_app(settings: DashboardSettings) -> Starlette:
     reader = BudgetReader(
         client, settings.redis_prefix, layout_of(settings.redis_prefix, settings.redis_cluster)
     )
-    alerts = TopicFeed(
-        settings.kafka_bootstrap, settings.topic("alerts"), Alert, settings.feed_size
-    )
+    kafka = settings.kafka()
+    alerts = TopicFeed(kafka, settings.topic("alerts"), Alert, settings.feed_size)
     # A client retrying after a 429 publishes the same refusal again: count it once.
     refusals = TopicFeed(
-        settings.kafka_bootstrap,
+        kafka,
         settings.topic("refusals"),
         Refusal,
         settings.feed_size,

@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from spendgate.schemas.kafka_connect import KafkaSettings
 from spendgate.schemas.types import Switch
 
 
-class DashboardSettings(BaseSettings):
+class DashboardSettings(KafkaSettings):
     """Everything ``spendgate dashboard`` reads from its environment."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster (``schemas.layout``).
     redis_cluster: Switch = False

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from spendgate.schemas import kafka_connect
+from spendgate.schemas.kafka_connect import KafkaConnection
 
-async def _metadata(bootstrap: str) -> bool:
-    from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
+async def _metadata(kafka: KafkaConnection) -> bool:
+    admin = kafka_connect.admin(kafka, request_timeout_ms=3000)
     try:
         await admin.start()
         await admin.describe_cluster()
@@ -19,6 +20,6 @@ async def _metadata(bootstrap: str) -> bool:
         await admin.close()
 
 
-def metadata_ok(bootstrap: str) -> bool:
-    """True when the broker at ``bootstrap`` answers a cluster metadata request."""
-    return asyncio.run(_metadata(bootstrap))
+def metadata_ok(kafka: KafkaConnection) -> bool:
+    """True when the brokers of ``kafka`` answer a cluster metadata request."""
+    return asyncio.run(_metadata(kafka))

@@ -524,7 +524,7 @@ def alerts_tail(
 
     async def run() -> None:
         async for alert in read_alerts(
-            settings.kafka_bootstrap,
+            settings.kafka(),
             settings.topic("alerts"),
             from_beginning=from_beginning,
             follow=follow,

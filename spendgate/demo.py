@@ -136,15 +136,15 @@ async def _one_request(
 async def _late_reports(tally: Tally, clock: Clock, seconds: float, rng: random.Random) -> None:
     """Every few seconds an inference worker reports usage late, straight to Kafka (its
     API keys as key ids, as a producer with the deployment's subject secret writes them)."""
-    from aiokafka import AIOKafkaProducer
-
+    from spendgate.schemas import kafka_connect
     from spendgate.schemas.key_settings import SubjectSecretSettings
 
     keys = SubjectSecretSettings().key_ids()
 
-    bootstrap = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    kafka = kafka_connect.KafkaSettings().kafka()
+    bootstrap = kafka.bootstrap
     topic = os.environ.get("SPENDGATE_TOPIC_PREFIX", "budget.") + "usage"
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+    producer = kafka_connect.producer(kafka, acks="all", enable_idempotence=True)
     try:
         await asyncio.wait_for(producer.start(), timeout=10)
     except Exception as exc:  # noqa: BLE001 - the demo goes on without late reports
@@ -247,15 +247,17 @@ async def _run(base_url: str, seconds: float, seed: int | None, late: bool) -> T
 async def _read_alerts(tally: Tally, *, timeout_s: float = 20.0) -> None:
     """Count the alerts on the alerts topic by kind (``SPENDGATE_TOPIC_PREFIX``), waiting
     up to ``timeout_s`` for the worker to publish the showcase's overage alert."""
+    from spendgate.schemas.kafka_connect import KafkaSettings
     from spendgate.streams.alert_feed import read_alerts
 
-    bootstrap = os.environ.get("SPENDGATE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    kafka = KafkaSettings().kafka()
+    bootstrap = kafka.bootstrap
     topic = os.environ.get("SPENDGATE_TOPIC_PREFIX", "budget.") + "alerts"
     deadline = time.monotonic() + timeout_s
     while True:
         counts: dict[str, int] = {}
         try:
-            async for alert in read_alerts(bootstrap, topic, from_beginning=True, follow=False):
+            async for alert in read_alerts(kafka, topic, from_beginning=True, follow=False):
                 counts[alert.kind] = counts.get(alert.kind, 0) + 1
         except Exception as exc:  # noqa: BLE001 - said, and the demo fails on "alerts"
             tally.alerts_error = f"reading {topic} at {bootstrap}: {exc!r}"

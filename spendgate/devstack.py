@@ -320,9 +320,11 @@ class LocalStack:
 
     def _kafka_ready(self) -> bool:
         from spendgate._kafka_probe import metadata_ok
+        from spendgate.schemas.kafka_connect import KafkaConnection
 
+        # The dev stack's own broker: PLAINTEXT on loopback, whatever the environment says.
         return port_open(self.settings.kafka_port) and metadata_ok(
-            f"127.0.0.1:{self.settings.kafka_port}"
+            KafkaConnection(bootstrap=f"127.0.0.1:{self.settings.kafka_port}")
         )
 
     # -- Redis -------------------------------------------------------------------------------

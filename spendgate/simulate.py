@@ -45,8 +45,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
-from aiokafka import AIOKafkaConsumer
-
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.policies import Policy
 from spendgate.simulate_report import Report, chart, dumps
 from spendgate.simulation import Merged, Simulation, caveats, event_ms, judge
@@ -70,8 +69,8 @@ Progress = Callable[[int, int], None]
 async def _read_topic(
     settings: WorkerSettings, name: str, since_ms: int | None, topic: int, out: list[Merged]
 ) -> None:
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, max_poll_records=5000
+    consumer = kafka_connect.consumer(
+        settings.kafka(), enable_auto_commit=False, max_poll_records=5000
     )
     await consumer.start()
     try:

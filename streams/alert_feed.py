@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
 
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.alerts import Alert
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.streams.kafka_util import assign, partitions, stop
 
 
 async def read_alerts(
-    bootstrap: str, topic: str, *, from_beginning: bool, follow: bool
+    kafka: KafkaConnection, topic: str, *, from_beginning: bool, follow: bool
 ) -> AsyncIterator[Alert]:
     """Yield alerts in topic order; stop at the current end unless ``follow``."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = kafka_connect.consumer(kafka, enable_auto_commit=False)
     await consumer.start()
     try:
         tps = await partitions(consumer, topic)

@@ -20,6 +20,7 @@ from typing import Any
 import faust
 from aiokafka import TopicPartition
 
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
@@ -77,13 +78,12 @@ def build_app(
 
 def faust_app(settings: WorkerSettings) -> faust.App:
     """The faust app with the worker's settings (no topics, tables or agents yet)."""
-    return faust.App(
+    return kafka_connect.faust_app(
+        settings.kafka(),
         settings.app_id,
-        broker=f"kafka://{settings.kafka_bootstrap}",
         store="rocksdb://",
         datadir=str(settings.data_dir),
         topic_partitions=settings.partitions,
-        topic_replication_factor=1,
         # A standby copy of each table partition on another worker: a handover then
         # restores from the standby, not from the whole changelog.
         table_standby_replicas=settings.standby_replicas,
@@ -147,13 +147,18 @@ class Worker:
         self.retention_ms = retention_ms
         self.topics = Topics.declare(app, settings)
         self.table = app.Table(
-            "keystate", partitions=settings.partitions, key_type=str, value_type=bytes
+            "keystate",
+            partitions=settings.partitions,
+            key_type=str,
+            value_type=bytes,
+            # The changelog is the table's durable copy: acks=all needs this many replicas.
+            extra_topic_configs=settings.kafka().topic_configs(),
         )
         self.prices = load_catalog(settings.prices_file) if settings.prices_file else None
         #: The secret subject fields' key ids: policies, records and dead letters carry them.
         self.key_ids = settings.key_ids()
         self.book = PolicyBook(
-            settings.kafka_bootstrap, settings.topic("policies"), policies, key_ids=self.key_ids
+            settings.kafka(), settings.topic("policies"), policies, key_ids=self.key_ids
         )
         self.materializer = RedisMaterializer(
             async_client(settings.redis_url, settings.redis_cluster),
@@ -246,7 +251,7 @@ class Worker:
             # First record of a partition this worker did not process up to here.
             head = records[0]
             await rebuild_ids(
-                self.settings.kafka_bootstrap,
+                self.settings.kafka(),
                 first.topic,
                 self.ids,
                 Position(partition, head.offset, head.broker_ms),
@@ -300,17 +305,17 @@ class Worker:
         On a partition's first batch since an assignment, from the earlier of the group's
         commit and the last offset the table applied (``streams.gaps``: a commit can run
         ahead of the table)."""
-        bootstrap = self.settings.kafka_bootstrap
+        kafka = self.settings.kafka()
         last = positions.last(partition)
         tp = TopicPartition(topic, partition)
         committed = applied = None
         if last is None:
-            committed = await committed_offset(bootstrap, self.settings.app_id, tp)
+            committed = await committed_offset(kafka, self.settings.app_id, tp)
             applied = applied_offset(self.table, topic, partition)
         wanted = missing_range(last, committed, offset, applied)
         if not wanted:
             return []
-        records = await read_range(bootstrap, tp, wanted)
+        records = await read_range(kafka, tp, wanted)
         logger.warning(
             "%s[%d]: the stream skipped offsets %d..%d; handling %d records read back first",
             topic,

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 
+from spendgate.schemas import kafka_connect
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.streams.kafka_util import assign, stop
 
 __all__ = [
@@ -116,10 +117,10 @@ class Positions:
         self._last.clear()
 
 
-async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> int:
+async def committed_offset(kafka: KafkaConnection, group: str, tp: TopicPartition) -> int:
     """The group's committed offset of ``tp`` (0 when it has none: the consumers start at
     the earliest record, which :func:`read_range` clamps to the log start)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = kafka_connect.admin(kafka)
     await admin.start()
     try:
         found = await admin.list_consumer_group_offsets(group, partitions=[tp])
@@ -129,14 +130,14 @@ async def committed_offset(bootstrap: str, group: str, tp: TopicPartition) -> in
     return meta.offset if meta is not None and meta.offset >= 0 else 0
 
 
-async def read_range(bootstrap: str, tp: TopicPartition, wanted: range) -> list[ConsumerRecord]:
+async def read_range(
+    kafka: KafkaConnection, tp: TopicPartition, wanted: range
+) -> list[ConsumerRecord]:
     """The records of ``tp`` at the offsets in ``wanted``, in order (missing ones, such as
     transaction markers or records past retention, are simply absent)."""
     if not wanted:
         return []
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, max_poll_records=5000
-    )
+    consumer = kafka_connect.consumer(kafka, enable_auto_commit=False, max_poll_records=5000)
     await consumer.start()
     out: list[ConsumerRecord] = []
     try:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from pydantic import ValidationError
 
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.events import parse_event
 from spendgate.schemas.exceptions import SpendgateError
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.streams import metrics
 from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.ids import note
@@ -28,7 +30,7 @@ def remember_raw(ids: IdStore, pos: Position, raw: bytes) -> None:
     ids.advance(pos)
 
 
-async def rebuild_ids(bootstrap: str, topic: str, ids: IdStore, resume: Position) -> int:
+async def rebuild_ids(kafka: KafkaConnection, topic: str, ids: IdStore, resume: Position) -> int:
     """Fill ``ids`` for ``resume.partition`` with the records before ``resume.offset``.
 
     Reads from the later of (the first offset not yet covered locally) and (the first
@@ -42,9 +44,7 @@ async def rebuild_ids(bootstrap: str, topic: str, ids: IdStore, resume: Position
     if start >= resume.offset:
         return 0
     tp = TopicPartition(topic, resume.partition)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, max_poll_records=5000
-    )
+    consumer = kafka_connect.consumer(kafka, enable_auto_commit=False, max_poll_records=5000)
     await consumer.start()
     read = 0
     try:

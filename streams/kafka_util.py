@@ -8,6 +8,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from spendgate.schemas import kafka_connect
+from spendgate.schemas.kafka_connect import KafkaConnection
+
 
 async def partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
     """Every partition of ``topic``, from fresh cluster metadata ([] when it is missing).
@@ -45,13 +48,13 @@ async def assign(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> None:
 class OffsetReader:
     """End and start offsets asked of the broker in one round trip each (no group)."""
 
-    def __init__(self, bootstrap: str) -> None:
-        self._bootstrap = bootstrap
+    def __init__(self, kafka: KafkaConnection) -> None:
+        self._kafka = kafka
         self._consumer: AIOKafkaConsumer | None = None
 
     async def _client(self) -> AIOKafkaConsumer:
         if self._consumer is None:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+            consumer = kafka_connect.consumer(self._kafka, enable_auto_commit=False)
             await consumer.start()
             self._consumer = consumer
         return self._consumer

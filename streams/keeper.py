@@ -84,7 +84,7 @@ class RedisKeeper:
         self.wake = asyncio.Event()
         # Offsets asked of the broker directly: faust's own calls pass through its consumer
         # thread and take a second or more each.
-        self.offsets = OffsetReader(settings.kafka_bootstrap)
+        self.offsets = OffsetReader(settings.kafka())
         #: (topic, partition) -> next offset to handle (last handled + 1).
         self.handled: dict[tuple[str, int], int] = {}
         #: Its Redis errors: counted, logged, the next tick after the backoff.

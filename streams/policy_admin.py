@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import yaml
-from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.exceptions import PolicyError
 from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.policies import Policy, validate_against_catalog
@@ -83,8 +83,8 @@ async def publish_policies(settings: WorkerSettings, policies: list[Policy]) -> 
     keys = settings.key_ids()
     policies = [keys.policy(p) for p in policies]
     await ensure_topics(settings)
-    async with AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True
+    async with kafka_connect.producer(
+        settings.kafka(), acks="all", enable_idempotence=True
     ) as producer:
         for p in policies:
             await producer.send_and_wait(
@@ -116,9 +116,7 @@ def apply_file(settings: WorkerSettings, path: Path) -> list[str]:
 def list_policies(settings: WorkerSettings) -> list[Policy]:
     """The policies in force, sorted by id."""
     found = asyncio.run(
-        read_policies(
-            settings.kafka_bootstrap, settings.topic("policies"), key_ids=settings.key_ids()
-        )
+        read_policies(settings.kafka(), settings.topic("policies"), key_ids=settings.key_ids())
     )
     return sorted(found.values(), key=lambda p: p.id)
 
@@ -133,7 +131,9 @@ def delete_policy(settings: WorkerSettings, policy_id: str) -> None:
         raise PolicyError(f"no policy {policy_id!r} is in force")
 
     async def _tombstone() -> None:
-        async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap) as producer:
+        async with kafka_connect.producer(
+            settings.kafka(), acks="all", enable_idempotence=True
+        ) as producer:
             await producer.send_and_wait(settings.topic("policies"), None, key=policy_id.encode())
 
     asyncio.run(_tombstone())

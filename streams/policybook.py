@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import logging
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from pydantic import ValidationError
 
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.exceptions import PolicyError
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.key_ids import KeyIds
 from spendgate.schemas.policies import Policy
 from spendgate.streams.kafka_util import assign, stop
@@ -27,13 +29,13 @@ class PolicyBook:
 
     def __init__(
         self,
-        bootstrap: str,
+        kafka: KafkaConnection,
         topic: str,
         initial: dict[str, Policy] | None = None,
         *,
         key_ids: KeyIds | None,
     ) -> None:
-        self.bootstrap = bootstrap
+        self.kafka = kafka
         self.topic = topic
         self.key_ids = key_ids
         self.policies: dict[str, Policy] = dict(initial or {})
@@ -75,7 +77,7 @@ class PolicyBook:
 
     async def run(self) -> None:
         """Consume forever; set ``ready`` after reaching the end offsets seen at start."""
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        consumer = kafka_connect.consumer(self.kafka, enable_auto_commit=False)
         await consumer.start()
         try:
             tp = TopicPartition(self.topic, 0)
@@ -96,10 +98,12 @@ class PolicyBook:
             await stop(consumer)
 
 
-async def read_policies(bootstrap: str, topic: str, *, key_ids: KeyIds | None) -> dict[str, Policy]:
+async def read_policies(
+    kafka: KafkaConnection, topic: str, *, key_ids: KeyIds | None
+) -> dict[str, Policy]:
     """Read the policies topic to its current end and return the policies in force (in
     key-id form with ``key_ids``, as :class:`PolicyBook` holds them)."""
-    book = PolicyBook(bootstrap, topic, key_ids=key_ids)
+    book = PolicyBook(kafka, topic, key_ids=key_ids)
     task = asyncio.create_task(book.run())
     try:
         await asyncio.wait_for(book.ready.wait(), timeout=30)

@@ -15,9 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-from spendgate.schemas import window_codec
+from spendgate.schemas import kafka_connect, window_codec
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
@@ -101,17 +99,14 @@ async def _read(
     progress: Progress | None,
 ) -> dict[str, Policy]:
     key_ids = settings.key_ids()
-    policies = await read_policies(
-        settings.kafka_bootstrap, settings.topic("policies"), key_ids=key_ids
-    )
+    kafka = settings.kafka()
+    policies = await read_policies(kafka, settings.topic("policies"), key_ids=key_ids)
     prices = load_catalog(settings.prices_file) if settings.prices_file else None
     rules = Rules(policies.values(), prices, local=lambda policy: True, key_ids=key_ids)
     longest = max((p.window_ms for p in policies.values()), default=0)
     # The same id set as the worker, in a temporary folder: duplicates count as they did live.
     ids = IdStore(None, settings.horizon_ms(longest), settings.dedupe_memory_mb << 20)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, max_poll_records=2000
-    )
+    consumer = kafka_connect.consumer(kafka, enable_auto_commit=False, max_poll_records=2000)
     await consumer.start()
     try:
         tps = await partitions(consumer, settings.topic("usage"))
@@ -205,7 +200,9 @@ async def replay(
     finally:
         await client.aclose()
     if emit_alerts and summary.alerts:
-        async with AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap) as producer:
+        async with kafka_connect.producer(
+            settings.kafka(), acks="all", enable_idempotence=True
+        ) as producer:
             for alert in summary.alerts:
                 await producer.send(
                     settings.topic("alerts"),

@@ -33,10 +33,9 @@ def run_worker(settings: WorkerSettings) -> None:
     faust worker until stopped."""
     key_ids = settings.key_ids()
     announce(key_ids, logger)
+    kafka = settings.kafka()
     asyncio.run(ensure_topics(settings))
-    policies = asyncio.run(
-        read_policies(settings.kafka_bootstrap, settings.topic("policies"), key_ids=key_ids)
-    )
+    policies = asyncio.run(read_policies(kafka, settings.topic("policies"), key_ids=key_ids))
     logger.info("%d policies in force at start", len(policies))
     usage = asyncio.run(describe_usage(settings))
     longest = max((p.window_ms for p in policies.values()), default=0)

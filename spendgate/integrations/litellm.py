@@ -389,11 +389,12 @@ class SpendgateLogger(CustomLogger):
                 key_ids=key_ids,
             )
             if s.kafka_bootstrap:
+                from spendgate.schemas.kafka_connect import KafkaSettings
                 from spendgate.streams.policybook import PolicyBook
 
-                self._book = PolicyBook(
-                    s.kafka_bootstrap, f"{s.topic_prefix}policies", key_ids=key_ids
-                )
+                # Security and replication from SPENDGATE_KAFKA_*, like every service's.
+                kafka = KafkaSettings(kafka_bootstrap=s.kafka_bootstrap).kafka()
+                self._book = PolicyBook(kafka, f"{s.topic_prefix}policies", key_ids=key_ids)
                 self._book_task = asyncio.ensure_future(self._book.run())
         return self._client
 

@@ -7,6 +7,7 @@ from prometheus_client import REGISTRY
 
 from spendgate.admission.fallback import DegradedLedger
 from spendgate.admission.publisher import KafkaPublisher
+from spendgate.schemas.kafka_connect import KafkaConnection
 from tests.fixtures.admission import MakeAdmission, OwnRedis, RecordingPublisher
 from tests.fixtures.factories import PolicyFactory
 
@@ -133,7 +134,7 @@ class TestPublishBufferFull:
     ) -> None:
         # A real producer that cannot reach any broker: events stay in the buffer.
         async with KafkaPublisher(
-            "127.0.0.1:1", "nowhere.usage", buffer=1, shutdown_s=0.1
+            KafkaConnection(bootstrap="127.0.0.1:1"), "nowhere.usage", buffer=1, shutdown_s=0.1
         ) as publisher:
             adm = await make_admission(publisher=publisher)
             closed_p = policy_factory(id="closed-p", failure="closed", match={"env": "c"})

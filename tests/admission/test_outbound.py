@@ -8,6 +8,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from spendgate.admission.outbound import BoundedProducer
+from spendgate.schemas.kafka_connect import KafkaConnection
 
 
 class StubProducer:
@@ -24,8 +25,8 @@ class Recording(BoundedProducer[str]):
     answer (``ack``) or fail (``fail``: the item is put back at the head and retried)."""
 
     def __init__(self, capacity: int, linger_s: float = 0.0) -> None:
-        super().__init__("test producer", "nowhere:1", "t", capacity, retry_s=0.01,
-                         linger_s=linger_s)  # fmt: skip
+        super().__init__("test producer", KafkaConnection(bootstrap="nowhere:1"), "t", capacity,
+                         retry_s=0.01, linger_s=linger_s)  # fmt: skip
         self.passes: list[list[str]] = []
         self.sent: dict[str, asyncio.Future[None]] = {}
         self.stub = StubProducer()

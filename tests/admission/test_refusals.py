@@ -8,6 +8,7 @@ from prometheus_client import REGISTRY
 
 from spendgate.admission.refusals import KafkaRefusals
 from spendgate.schemas.events import Subject, Usage
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.refusals import Refusal
 
 
@@ -30,7 +31,7 @@ def _refusal(n: int) -> Refusal:
 
 class TestKafkaRefusals:
     def test_a_full_buffer_drops_and_counts_without_blocking(self) -> None:
-        sink = KafkaRefusals("127.0.0.1:1", "never.refusals", buffer=3)
+        sink = KafkaRefusals(KafkaConnection(bootstrap="127.0.0.1:1"), "never.refusals", buffer=3)
         before = _dropped()
         taken = [sink.offer(_refusal(n)) for n in range(5)]
         assert taken == [True, True, True, False, False]

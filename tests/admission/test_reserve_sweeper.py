@@ -24,6 +24,7 @@ from spendgate.schemas.events import (
     UsageEvent,
     parse_event,
 )
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.prices import ModelPrice, PriceCatalog
 from spendgate.schemas.redis_keys import reservation_key, unpublished_reserves_key
 from tests.fixtures.admission import Admission, MakeAdmission, RecordingPublisher, free_port
@@ -176,8 +177,12 @@ class TestSweeper:
         topic = f"{topic_prefix}usage"
         before = _metric("spendgate_admission_reserves_republished_total")
         async with (
-            KafkaPublisher(services.kafka_bootstrap, topic, 10_000) as pub_a,
-            KafkaPublisher(services.kafka_bootstrap, topic, 10_000) as pub_b,
+            KafkaPublisher(
+                KafkaConnection(bootstrap=services.kafka_bootstrap), topic, 10_000
+            ) as pub_a,
+            KafkaPublisher(
+                KafkaConnection(bootstrap=services.kafka_bootstrap), topic, 10_000
+            ) as pub_b,
         ):
             assert await pub_a.publish_acked(_probe()) and await pub_b.publish_acked(_probe())
             a = ReserveSweeper(redis_client, adm.prefix, pub_a, grace_s=1.0, batch=7)
@@ -227,7 +232,9 @@ class TestSweeper:
         redis_client: aioredis.Redis,
     ) -> None:
         topic = f"{topic_prefix}usage"
-        async with KafkaPublisher(services.kafka_bootstrap, topic, 10_000) as pub:
+        async with KafkaPublisher(
+            KafkaConnection(bootstrap=services.kafka_bootstrap), topic, 10_000
+        ) as pub:
             adm = await make_admission(publisher=pub)
             sweeper = ReserveSweeper(redis_client, adm.prefix, pub, grace_s=0, interval_s=3600)
             pub.on_acked = sweeper.acked
@@ -298,7 +305,8 @@ class TestPublisherHeldCopy:
         event = await _rebuilt(adm, rid)
         assert event is not None
         dead = f"127.0.0.1:{free_port()}"
-        async with KafkaPublisher(dead, f"t{uuid.uuid4().hex[:8]}.usage", 10, retry_s=0.1,
+        topic = f"t{uuid.uuid4().hex[:8]}.usage"
+        async with KafkaPublisher(KafkaConnection(bootstrap=dead), topic, 10, retry_s=0.1,
                                   ack_timeout_s=0.2, shutdown_s=0.2) as pub:  # fmt: skip
             assert pub.publish(event)
             assert not await pub.publish_acked(event)

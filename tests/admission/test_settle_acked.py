@@ -22,6 +22,7 @@ from spendgate.schemas.events import (
     Usage,
     UsageEvent,
 )
+from spendgate.schemas.kafka_connect import KafkaConnection
 from tests.fixtures.admission import MakeAdmission, free_port
 from tests.fixtures.factories import PolicyFactory
 from tests.fixtures.kafka_io import read_all
@@ -131,7 +132,9 @@ class TestKafkaPublisher:
 
         monkeypatch.setattr(AIOKafkaProducer, "flush", no_flush)
         events = [_commit(i) for i in range(200)]
-        async with KafkaPublisher(services.kafka_bootstrap, usage_topic, 10_000) as pub:
+        async with KafkaPublisher(
+            KafkaConnection(bootstrap=services.kafka_bootstrap), usage_topic, 10_000
+        ) as pub:
             assert await pub.publish_acked(_commit(0))  # connected and topic created
             oks = await asyncio.gather(*(pub.publish_acked(e) for e in events))
             assert all(oks) and pub.depth == 0
@@ -143,7 +146,9 @@ class TestKafkaPublisher:
         self, services: Services, usage_topic: str
     ) -> None:
         event = _commit(7)
-        async with KafkaPublisher(services.kafka_bootstrap, usage_topic, 100) as pub:
+        async with KafkaPublisher(
+            KafkaConnection(bootstrap=services.kafka_bootstrap), usage_topic, 100
+        ) as pub:
             first = await asyncio.gather(*(pub.publish_acked(event) for _ in range(5)))
             again = await pub.publish_acked(event)  # a retry after the ack: answered at once
         assert first == [True] * 5 and again
@@ -164,8 +169,8 @@ class TestKafkaPublisher:
         before = {k: _metric("spendgate_admission_unpublished_at_shutdown_total", kind=k)
                   for k in ("reserve", "commit", "release")}  # fmt: skip
         caplog.set_level(logging.INFO, logger="spendgate.admission.publisher")
-        pub = KafkaPublisher(dead, "never.usage", 100, retry_s=0.1, ack_timeout_s=0.3,
-                             shutdown_s=0.5)  # fmt: skip
+        pub = KafkaPublisher(KafkaConnection(bootstrap=dead), "never.usage", 100, retry_s=0.1,
+                             ack_timeout_s=0.3, shutdown_s=0.5)  # fmt: skip
         async with pub:
             assert pub.publish(reserve)
             started = time.monotonic()

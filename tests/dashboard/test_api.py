@@ -17,6 +17,7 @@ from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
 from spendgate.schemas import window_codec
 from spendgate.schemas.alerts import Alert
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_keys import utilization_key, window_key
 from spendgate.schemas.refusals import Refusal
@@ -24,6 +25,9 @@ from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.fold import KeyWrite
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.materialize import RedisMaterializer
+
+#: A broker nobody listens on: the feeds only ever fail to connect.
+NOWHERE = KafkaConnection(bootstrap="127.0.0.1:1")
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +72,8 @@ async def dash(
     redis_client: aioredis.Redis, key_prefix: str
 ) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, Any]]]:
     feeds: dict[str, Any] = {
-        "alerts": TopicFeed("127.0.0.1:1", "none", Alert, 50),
-        "refusals": TopicFeed("127.0.0.1:1", "none", Refusal, 50),
+        "alerts": TopicFeed(NOWHERE, "none", Alert, 50),
+        "refusals": TopicFeed(NOWHERE, "none", Refusal, 50),
     }
     app = create_app(
         BudgetReader(redis_client, key_prefix),

@@ -10,8 +10,12 @@ from spendgate.admission.auth import Principal
 from spendgate.dashboard.app import Sessions
 from spendgate.dashboard.views import key_row, parse_scrape, rates, window_series
 from spendgate.schemas import window_codec
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.shards import tenant_of
+
+#: A broker nobody listens on: the feeds only ever fail to connect.
+NOWHERE = KafkaConnection(bootstrap="127.0.0.1:1")
 
 MIN = 60_000
 
@@ -138,8 +142,8 @@ class TestStoreDown:
         app = create_app(
             BudgetReader(client, "x:"),
             Authorizer(None),
-            TopicFeed("127.0.0.1:1", "t", Alert, 5),
-            TopicFeed("127.0.0.1:1", "t", Refusal, 5),
+            TopicFeed(NOWHERE, "t", Alert, 5),
+            TopicFeed(NOWHERE, "t", Refusal, 5),
             Scraper("http://127.0.0.1:1/", "http://127.0.0.1:1/", 1.0),
         )
         transport = httpx.ASGITransport(app=app)
@@ -170,7 +174,7 @@ class TestTopicFeed:
         from spendgate.schemas.refusals import Refusal
 
         feed = TopicFeed(
-            "127.0.0.1:1", "t", Refusal, 3, identity=lambda r: f"{r.subject.tenant}|{r.request_id}"
+            NOWHERE, "t", Refusal, 3, identity=lambda r: f"{r.subject.tenant}|{r.request_id}"
         )
         for rid in ("r1", "r1", "r2", "r3", "r2", "r4"):
             feed.keep(self.refusal(rid))

@@ -178,7 +178,7 @@ class TestRefusalBatches:
         sent = {
             f"q{n}": tenants[n % len(tenants)] for n in range(2_500)
         }  # ~60 records fill a 16 KiB batch: dozens of full batches
-        async with SpiedRefusals(worker_settings.kafka_bootstrap, topic, buffer=len(sent)) as sink:
+        async with SpiedRefusals(worker_settings.kafka(), topic, buffer=len(sent)) as sink:
             for rid, tenant in sent.items():
                 assert sink.offer(
                     Refusal(
@@ -216,7 +216,7 @@ class TestRefusalBatches:
         tenants = [f"t{n}" for n in range(7)]
         at = datetime.now(UTC)
         n = 200
-        async with SpiedRefusals(worker_settings.kafka_bootstrap, topic, buffer=n) as sink:
+        async with SpiedRefusals(worker_settings.kafka(), topic, buffer=n) as sink:
             for i in range(n):
                 assert sink.offer(
                     Refusal(
@@ -244,7 +244,7 @@ class TestRefusalGaps:
     ) -> None:
         await ensure_topics(worker_settings)
         topic = worker_settings.topic("refusals")
-        sink = KafkaRefusals(worker_settings.kafka_bootstrap, topic, buffer=1)
+        sink = KafkaRefusals(worker_settings.kafka(), topic, buffer=1)
         at = datetime.now(UTC)
         offered = [
             sink.offer(

@@ -40,6 +40,7 @@ from spendgate.schemas import (
     dead_letter,
     parse_event,
 )
+from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.status import PartitionStatus, StackStatus, TopologyCounts, WorkerLag
 
 AT = "2025-01-02T03:04:05.678Z"
@@ -105,6 +106,12 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
         "owner_token": None,
     },
     TopologyCounts: {"usage": 4, "keyed": 4},
+    # Secrets are dumped as "**********": the round trip is checked without them.
+    KafkaConnection: {
+        "bootstrap": "b1:9092,b2:9092",
+        "replication_factor": 3,
+        "min_insync_replicas": 2,
+    },
     StackStatus: {
         "decidable": False,
         "reason": "no topology",

@@ -56,3 +56,22 @@ class TestRebalance:
         worker.unmirrored["usage"] = {"a": carried(0, "a")}
         worker.on_assigned(set())
         assert worker.unmirrored["usage"] == {}
+
+
+class TestReplication:
+    def test_the_changelog_and_faust_topics_follow_the_settings(self, tmp_path: Path) -> None:
+        settings = WorkerSettings(
+            data_dir=tmp_path,
+            app_id="unit-replicated",
+            kafka_replication_factor=3,
+            kafka_min_insync_replicas=2,
+        )
+        worker = Worker(faust_app(settings), settings, {}, -1, WorkerHealth())
+        try:
+            assert worker.app.conf.topic_replication_factor == 3
+            changelog = worker.table.changelog_topic
+            assert changelog.get_topic_name() == "unit-replicated-keystate-changelog"
+            assert changelog.config == {"min.insync.replicas": "2"}
+            assert changelog.replicas is None  # faust then uses topic_replication_factor
+        finally:
+            worker.ids.close()
