@@ -148,7 +148,7 @@ def release_args(prefix: str, budget_keys: Sequence[str], reservation_id: str) -
     entries leave them (idempotent: an entry already gone moves nothing)."""
     parts = []
     for key in budget_keys:
-        window, pending, total, queue, entries = held_keys(prefix, key)
+        window, pending, total, queue, entries, _ = held_keys(prefix, key)
         parts.append(
             AbsorbKey(
                 window_key=window,

@@ -525,6 +525,7 @@ class BudgetStore:
                     observe=policy.mode == "observe",
                     failure=FAILURE_MODES[policy.failure],
                     deps=self._deps(marks, terms, key, subject),
+                    reservation_ttl_ms=policy.reservation_ttl_ms,
                 )
             )
         return ExtendArgs(

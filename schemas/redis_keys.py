@@ -69,16 +69,29 @@ def pending_reservations_key(prefix: str, key: str) -> str:
     return f"{prefix}pr:{key}"
 
 
-def held_keys(prefix: str, key: str) -> tuple[str, str, str, str, str]:
-    """The five keys that hold one budget key's usage, in the order the admit and extend
+def pending_expiry_key(prefix: str, key: str) -> str:
+    """List of the version-2 holds not yet absorbed, oldest first: ``"<due ms>:<entry
+    name>"``, the due instant being the hold's instant plus its policy's
+    ``reservation_ttl`` (Redis clock). Pushed by every version-2 hold; the admit and
+    extend scripts pop absorbed holds from its head, and expire due ones that are still
+    pending (their entry goes, their amount stays counted until the worker's windows hold
+    it: ``admission/scripts/key_steps.lua``, "Expiry"). So a key holds at most one
+    ``reservation_ttl`` of entries, even while no worker absorbs them."""
+    return f"{prefix}pe:{key}"
+
+
+def held_keys(prefix: str, key: str) -> tuple[str, str, str, str, str, str]:
+    """The six keys that hold one budget key's usage, in the order the admit and extend
     scripts take them: :func:`window_key`, :func:`pending_window_key`,
-    :func:`pending_total_key`, :func:`pending_queue_key`, :func:`pending_reservations_key`."""
+    :func:`pending_total_key`, :func:`pending_queue_key`, :func:`pending_reservations_key`,
+    :func:`pending_expiry_key`."""
     return (
         window_key(prefix, key),
         pending_window_key(prefix, key),
         pending_total_key(prefix, key),
         pending_queue_key(prefix, key),
         pending_reservations_key(prefix, key),
+        pending_expiry_key(prefix, key),
     )
 
 

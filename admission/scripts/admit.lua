@@ -37,7 +37,7 @@
 -- queue), never one bucket or one reservation at a time; a refusal's Retry-After is a
 -- binary search over the window's periods when the total can only fall.
 --
--- KEYS (4, then 5 or 6 per target of each plan, in plan order)
+-- KEYS (4, then 6 or 7 per target of each plan, in plan order)
 --   answer        the stored answer of this request id (schemas/redis_values.py; a
 --                 piece: unused)
 --   record        the reservation record (schemas/redis_values.py: ReservationRecord;
@@ -53,6 +53,8 @@
 --   queue         the version-2 pending window's bucket fields, oldest first (list)
 --   reservations  the version-1 pending reservations (hash: reservation id -> pending
 --                 entry)
+--   expiry        the version-2 holds not yet absorbed, oldest first (list: "<due ms>:<entry
+--                 name>", key_steps "Expiry")
 --   bucket        only for a target with a burst: its token bucket ("level:at_ms",
 --                 schemas/burst.py; missing = full)
 -- ARGV (9 + m header entries, then per plan 2 + 15 per target)
@@ -106,7 +108,7 @@ local nplans = tonumber(ARGV[7])
 local nmarks = tonumber(ARGV[9])
 local names = {}
 for i = 1, nmarks do names[i] = ARGV[9 + i] end
-local mark_state = marks_states(KEYS[4], names, now, tonumber(ARGV[8]))
+local mark_state, mark_at = marks_states(KEYS[4], names, now, tonumber(ARGV[8]))
 
 -- Parse every plan; window state is read only for the plans evaluated.
 local plans, a, k = {}, 10 + nmarks, 5
@@ -116,7 +118,7 @@ for p = 1, nplans do
   for j = 1, plan.n do
     plan.targets[j] = {
       wkey = KEYS[k], pwkey = KEYS[k + 1], pvkey = KEYS[k + 2], pqkey = KEYS[k + 3],
-      prkey = KEYS[k + 4],
+      prkey = KEYS[k + 4], pekey = KEYS[k + 5],
       limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]),
       bucket = tonumber(ARGV[a + 2]), boundary = ARGV[a + 3],
       amount = tonumber(ARGV[a + 4]), ttl = tonumber(ARGV[a + 5]),
@@ -124,8 +126,12 @@ for p = 1, nplans do
       alt = tonumber(ARGV[a + 8]), cap_s = tonumber(ARGV[a + 9]),
       cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
       failure = tonumber(ARGV[a + 13]), state = key_state(ARGV[a + 12], mark_state),
+      mark = key_mark(ARGV[a + 12], mark_at), repair = not read_only,
     }
-    k = k + 5
+    -- A hold due for expiry whose reserve is not acked yet is held on: its reservation's
+    -- own shard knows (a piece's does not; its hold expires when due).
+    if not piece and not read_only then plan.targets[j].unpub = KEYS[3] end
+    k = k + 6
     if ARGV[a + 14] ~= '' then
       local x = plan.targets[j]
       x.brate, x.bper, x.bcap = burst_parse(ARGV[a + 14])

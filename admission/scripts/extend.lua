@@ -8,18 +8,19 @@
 -- repeat of the same sequence number returns it, growing nothing); a refusal holds nothing
 -- and is decided anew.
 --
--- KEYS (3, then 5 per target)
+-- KEYS (3, then 6 per target)
 --   answer        the extend's stored answer (one per reservation and sequence number)
 --   record        the reservation record (written by ADMIT: must exist, not be settled)
 --   marks         the applied marks (hash: mark field -> watermark ms)
---   per target: window, pending, pending v2, queue, reservations (as in ADMIT)
--- ARGV (4 + m, then 1 + 8 per target, then the mode)
+--   per target: window, pending, pending v2, queue, reservations, expiry (as in ADMIT)
+-- ARGV (4 + m, then 1 + 9 per target, then the mode)
 --   entry         the pending entry's name (the extend event's id)
 --   answer_ttl    ms the stored answer lives
 --   staleness     ms: a mark older than this (Redis clock) is stale
 --   m, then m mark fields
 --   n targets, then per target: limit, window_ms, bucket_ms, boundary, amount,
---     observe (0/1), failure (codes.FAILURE_MODES), deps (comma-separated mark indexes)
+--     observe (0/1), failure (codes.FAILURE_MODES), deps (comma-separated mark indexes),
+--     reservation_ttl_ms (this hold's expiry, key_steps "Expiry")
 --   mode          "" an extend on one shard; "piece": one shard's part of an extend whose
 --                 keys span shards (admission.pieces): decided and held as "" does, no
 --                 answer read or stored, no record checked (answer and record keys
@@ -37,7 +38,7 @@
 --! include spendgate.admission.scripts:key_steps
 
 local nmarks = tonumber(ARGV[4])
-local mode = ARGV[6 + nmarks + 8 * tonumber(ARGV[5 + nmarks])] or ''
+local mode = ARGV[6 + nmarks + 9 * tonumber(ARGV[5 + nmarks])] or ''
 local piece = mode == 'piece'
 if not piece then
   local stored = redis.call('GET', KEYS[1])
@@ -55,7 +56,7 @@ if string.sub(mode, 1, 4) == 'seal' then
 end
 local names = {}
 for i = 1, nmarks do names[i] = ARGV[4 + i] end
-local mark_state = marks_states(KEYS[3], names, now, tonumber(ARGV[3]))
+local mark_state, mark_at = marks_states(KEYS[3], names, now, tonumber(ARGV[3]))
 local n = tonumber(ARGV[5 + nmarks])
 local a, k = 6 + nmarks, 4
 local targets = {}
@@ -63,10 +64,11 @@ local refused, unvouched = false, false
 for j = 1, n do
   local x = {
     wkey = KEYS[k], pwkey = KEYS[k + 1], pvkey = KEYS[k + 2], pqkey = KEYS[k + 3],
-    prkey = KEYS[k + 4],
+    prkey = KEYS[k + 4], pekey = KEYS[k + 5],
     limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]), bucket = tonumber(ARGV[a + 2]),
     boundary = ARGV[a + 3], amount = tonumber(ARGV[a + 4]), observe = ARGV[a + 5] == '1',
     failure = tonumber(ARGV[a + 6]), state = key_state(ARGV[a + 7], mark_state),
+    mark = key_mark(ARGV[a + 7], mark_at), ttl = tonumber(ARGV[a + 8]), repair = true,
   }
   key_load(x, now)
   x.violated = x.used + x.reserved + x.amount > x.limit
@@ -74,8 +76,8 @@ for j = 1, n do
   if x.state > 0 and not x.observe and x.failure ~= 1 then unvouched = true end
   if x.violated and not x.observe then refused = true end
   targets[j] = x
-  a = a + 8
-  k = k + 5
+  a = a + 9
+  k = k + 6
 end
 local outcome = 1
 if unvouched then outcome = 5 elseif refused then outcome = 0 end

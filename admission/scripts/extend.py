@@ -22,7 +22,8 @@ class ExtendTarget:
 
     ``failure`` is the policy's failure mode code (``codes.FAILURE_MODES``); ``deps`` the
     mark indexes (1-based, into :attr:`ExtendArgs.marks`) its window depends on, joined by
-    ``,`` (``admit.encode_deps``).
+    ``,`` (``admit.encode_deps``); ``reservation_ttl_ms`` when this hold expires if nobody
+    absorbs it (``key_steps.lua``, "Expiry").
     """
 
     held_keys: tuple[str, ...]
@@ -34,6 +35,7 @@ class ExtendTarget:
     observe: bool
     failure: int
     deps: str
+    reservation_ttl_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class ExtendArgs:
                 int(t.observe),
                 t.failure,
                 t.deps,
+                t.reservation_ttl_ms,
             )
         if self.mode:
             args.append(self.mode)

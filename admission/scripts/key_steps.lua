@@ -3,14 +3,19 @@
 -- Needs spendgate.schemas:window, spendgate.schemas:window_view and
 -- spendgate.schemas:redis_values included before it.
 -- Provides:
---   marks_states(marks_key, names, now, staleness_ms) -> states: per mark field, 0 vouched,
---     1 stale (older than now - staleness_ms), 2 missing (codes.STATES)
+--   marks_states(marks_key, names, now, staleness_ms) -> states, marks: per mark field, 0
+--     vouched, 1 stale (older than now - staleness_ms), 2 missing (codes.STATES), and its
+--     watermark (ms, nil when missing)
 --   key_state(deps, states) -> the worst state of the marks a key depends on (deps: the
 --     comma-separated 1-based indexes into states)
+--   key_mark(deps, marks) -> the least watermark of the marks a key depends on (nil when
+--     one is missing)
 --   key_load(x, now): read the key x at now (x.wkey the absorbed window, x.pwkey the
 --     version-1 pending window, x.pvkey and x.pqkey the version-2 one and its queue,
 --     x.window, x.bucket, x.boundary): x.used (absorbed; a refund larger than what it
 --     corrects never makes room) and x.reserved (what the pending windows add to it).
+--     With x.repair, expired entries the worker has absorbed since are cleared first
+--     (needs x.state and x.mark: see "Expiry" below).
 --     Work: O(1) reads when the absorbed window is a version-2 value in the policy's
 --     width and no version-1 pending window exists; otherwise the whole window is
 --     decoded (O(buckets)), as before version 2.
@@ -24,7 +29,9 @@
 --     when amount > 0, hold it in the pending window in the bucket of now under the
 --     pending entry named entry: the version-2 window when the absorbed window is a
 --     version-2 value (its worker absorbs version 2), else version 1; every key it writes
---     lives window + bucket past the last write.
+--     lives window + bucket past the last write. A version-2 hold is also queued for expiry
+--     (x.pekey, due x.ttl ms after now), and up to EXPIRY_STEP due or absorbed holds leave
+--     the head of that queue (see "Expiry" below).
 --
 -- The version-2 pending window: x.pvkey holds each bucket's amount under the bucket's last
 -- millisecond, their sum under 't' (window_codec.PENDING_TOTAL_FIELD), each reservation's
@@ -34,26 +41,44 @@
 -- deleted from the hash and skipped in the list. Only the list's ends are read: buckets
 -- that left the window leave from its head (their amounts from the sum), the newest
 -- bucket is at its tail.
+--
+-- Expiry (the worker is down or behind: nobody absorbs): every version-2 hold is queued in
+-- x.pekey as "<due ms>:<entry name>", in hold order. A hold still pending at its due time
+-- (its reservation_ttl) is expired by admission itself: its entry goes, its amount stays in
+-- its bucket (the design's abandoned reservation: charged in full) and is noted under
+-- 'x:' + field, with 'xt' the Redis clock of the latest expiry. The worker absorbs such a
+-- reservation when it comes back (it charges it in its windows; with no entry, ABSORB moves
+-- nothing), so once the key's marks vouch for every record appended up to 'xt' (plus
+-- EXPIRED_MARGIN_MS for the broker's clock), every expired amount is in the absorbed window
+-- and the 'x:' amounts leave the pending window: counted once again. A reservation whose
+-- reserve is still unpublished (x.unpub: the admit script's own shard) is not expired; it is
+-- queued again. So the entries a key holds never exceed the holds of one reservation_ttl,
+-- whatever the worker does, and its expiry queue only holds the holds not yet absorbed.
 
 local PENDING_TOTAL = 't'
 local PENDING_HEAD, PENDING_NEWEST = 'h', 'n'  -- the queue's first and last field, in the hash
 local PENDING_ENTRY = 'r:'  -- a reservation's entry in the version-2 hash: 'r:' .. id
+local PENDING_EXPIRED = 'x:'  -- the part of a bucket's amount whose entries expired
+local PENDING_EXPIRED_AT = 'xt'  -- the Redis clock of the latest expiry
+local EXPIRY_STEP = 4  -- queued holds looked at per hold (each hold queues one)
+local EXPIRED_MARGIN_MS = 1000  -- how far the broker's clock may run ahead of Redis's
 
 local function marks_states(marks_key, names, now, staleness_ms)
-  local states = {}
-  if #names == 0 then return states end
+  local states, marks = {}, {}
+  if #names == 0 then return states, marks end
   local seen = redis.call('HMGET', marks_key, unpack(names))
   local oldest = now - staleness_ms
   for i = 1, #names do
+    marks[i] = tonumber(seen[i])
     if not seen[i] then
       states[i] = 2
-    elseif tonumber(seen[i]) < oldest then
+    elseif marks[i] < oldest then
       states[i] = 1
     else
       states[i] = 0
     end
   end
-  return states
+  return states, marks
 end
 
 local function key_state(deps, states)
@@ -63,6 +88,16 @@ local function key_state(deps, states)
     if st > state then state = st end
   end
   return state
+end
+
+local function key_mark(deps, marks)
+  local least = nil
+  for d in string.gmatch(deps, '%d+') do
+    local m = marks[tonumber(d)]
+    if not m then return nil end
+    if not least or m < least then least = m end
+  end
+  return least
 end
 
 -- The version-2 pending window at now: its sum, what left the window (stale fields at the
@@ -82,8 +117,10 @@ local function pending_read(x, now, v2)
   -- the window or reached its boundary since the oldest bucket queued, nothing is after
   -- head, and the newest bucket queued is still pending: then that is all there is to read.
   local cur = window_pending_field(now, b)
-  local got = redis.call('HMGET', x.pvkey, PENDING_TOTAL, PENDING_HEAD, PENDING_NEWEST, cur)
+  local got = redis.call('HMGET', x.pvkey, PENDING_TOTAL, PENDING_HEAD, PENDING_NEWEST, cur,
+                        PENDING_EXPIRED_AT)
   local sum, first, last = tonumber(got[1]), tonumber(got[2]), tonumber(got[3])
+  q.xt = tonumber(got[5])
   if sum and first and last and first - window_mod(first, b) >= oldest_full
       and last - window_mod(last, b) <= head then
     local amount = tonumber(got[4])
@@ -182,16 +219,93 @@ local function key_arrays(x, now)
   return absorbed, part
 end
 
+-- The 'x:' amounts leave their buckets and the sum (see "Expiry"): the worker's windows hold
+-- them now. A field the list no longer names left the window with its bucket.
+local function pending_clear_expired(x)
+  local fields = redis.call('LRANGE', x.pqkey, 0, -1)
+  local total = tonumber(redis.call('HGET', x.pvkey, PENDING_TOTAL) or '0')
+  local seen = {}
+  for i = 1, #fields, 500 do
+    local part, ask = {}, {}
+    for j = i, math.min(i + 499, #fields) do
+      local f = fields[j]
+      if not seen[f] then
+        seen[f] = true
+        part[#part + 1] = f
+        ask[#ask + 1] = PENDING_EXPIRED .. f
+        ask[#ask + 1] = f
+      end
+    end
+    if #part > 0 then
+      local got = redis.call('HMGET', x.pvkey, unpack(ask))
+      local names = {}
+      for j = 1, #part do
+        local gone, held = tonumber(got[2 * j - 1]), tonumber(got[2 * j]) or 0
+        if gone then
+          names[#names + 1] = ask[2 * j - 1]
+          if held > gone then
+            redis.call('HINCRBY', x.pvkey, part[j], string.format('%d', -gone))
+          else
+            redis.call('HDEL', x.pvkey, part[j])
+          end
+          total = total - math.min(held, gone)
+        end
+      end
+      if #names > 0 then redis.call('HDEL', x.pvkey, unpack(names)) end
+    end
+  end
+  redis.call('HDEL', x.pvkey, PENDING_EXPIRED_AT)
+  if total <= 0 then
+    redis.call('DEL', x.pvkey, x.pqkey)
+  else
+    redis.call('HSET', x.pvkey, PENDING_TOTAL, string.format('%d', total))
+  end
+end
+
+-- The same for the version-1 pending window (bounded by its buckets: read whole).
+local function pending_clear_expired_v1(x)
+  local all = redis.call('HGETALL', x.pwkey)
+  local amounts, gone = {}, {}
+  for i = 1, #all, 2 do
+    local f = all[i]
+    if string.sub(f, 1, 2) == PENDING_EXPIRED then
+      gone[string.sub(f, 3)] = tonumber(all[i + 1])
+    else
+      amounts[f] = tonumber(all[i + 1])
+    end
+  end
+  local names = {PENDING_EXPIRED_AT}
+  for f, a in pairs(gone) do
+    names[#names + 1] = PENDING_EXPIRED .. f
+    local held = amounts[f] or 0
+    if held > a then
+      redis.call('HINCRBY', x.pwkey, f, string.format('%d', -a))
+    else
+      names[#names + 1] = f
+    end
+  end
+  redis.call('HDEL', x.pwkey, unpack(names))
+end
+
 local function key_load(x, now)
   local first = redis.call('GETRANGE', x.wkey, 0, WINDOW_FIRST_BYTES - 1)
   x.hold_v2 = string.byte(first, 1) == 2
   -- Which pending windows exist: one call, and none more when neither does.
   local held = redis.call('EXISTS', x.pwkey, x.pvkey)
   x.q = pending_read(x, now, held > 0)
+  if x.q.xt and x.repair and x.state == 0 and x.mark
+      and x.mark > x.q.xt + EXPIRED_MARGIN_MS then
+    pending_clear_expired(x)
+    x.q = pending_read(x, now, true)
+  end
   -- The version-1 window exists when both do, or when the one that does holds no sum.
   local v1 = held == 2
   if held == 1 and x.q.total == 0 and not x.q.repair then
     v1 = redis.call('EXISTS', x.pwkey) == 1
+  end
+  if v1 and x.repair and x.state == 0 and x.mark then
+    local xt = tonumber(redis.call('HGET', x.pwkey, PENDING_EXPIRED_AT))
+    if xt and x.mark > xt + EXPIRED_MARGIN_MS then pending_clear_expired_v1(x) end
   end
   local wkey = x.wkey
   x.view = window_view(first, x.bucket, function(a, z)
@@ -341,9 +455,82 @@ local function pending_requeue(x)
   if #fields > 0 then x.q.tail = {string.format('%d', fields[#fields])} end
 end
 
+-- The hash a hold of pending-window version v ('1' or '2') sits in, the hash of its entry,
+-- and its entry's name there.
+local function held_in(x, v, name)
+  if v == '2' then return x.pvkey, x.pvkey, PENDING_ENTRY .. name end
+  return x.pwkey, x.prkey, name
+end
+
+-- Up to EXPIRY_STEP holds leave the head of the expiry queue: absorbed ones, and due ones
+-- still pending, which expire (see "Expiry").
+local function pending_expire(x, now)
+  local heads = redis.call('LRANGE', x.pekey, 0, EXPIRY_STEP - 1)
+  if #heads == 0 then return end
+  local dues, versions, names, entries = {}, {}, {}, {}
+  local asks = {}  -- entries hash -> {names, head indexes}
+  for i = 1, #heads do
+    local due, v, name = string.match(heads[i], '^(%d+):(%d):(.*)$')
+    dues[i], versions[i], names[i] = tonumber(due), v, name
+    local _, hash, entry = held_in(x, v, name)
+    local ask = asks[hash]
+    if not ask then
+      ask = {{}, {}}
+      asks[hash] = ask
+    end
+    ask[1][#ask[1] + 1], ask[2][#ask[2] + 1] = entry, i
+  end
+  for hash, ask in pairs(asks) do
+    local got = redis.call('HMGET', hash, unpack(ask[1]))
+    for j = 1, #ask[2] do entries[ask[2][j]] = got[j] end
+  end
+  local popped, again, marked = 0, {}, {}
+  for i = 1, #heads do
+    local entry = entries[i]
+    if entry and dues[i] > now then break end
+    popped = i
+    if entry then
+      if x.unpub and redis.call('ZSCORE', x.unpub, names[i]) then
+        -- Its reserve is not in Kafka yet (the sweeper republishes it): held on.
+        again[#again + 1] = string.format('%d:%s:%s', now + x.ttl, versions[i], names[i])
+      else
+        local window, hash, name = held_in(x, versions[i], names[i])
+        local field, amount = pending_entry_decode(entry)
+        field = string.format('%d', field)
+        redis.call('HDEL', hash, name)
+        -- Its bucket still pending (not aged out, not absorbed away): the amount stays.
+        if redis.call('HEXISTS', window, field) == 1 then
+          redis.call('HINCRBY', window, PENDING_EXPIRED .. field, string.format('%d', amount))
+          marked[window] = true
+        end
+      end
+    end
+  end
+  if popped > 0 then redis.call('LPOP', x.pekey, popped) end
+  if #again > 0 then redis.call('RPUSH', x.pekey, unpack(again)) end
+  for window in pairs(marked) do
+    redis.call('HSET', window, PENDING_EXPIRED_AT, string.format('%d', now))
+  end
+end
+
+-- Queue a hold for expiry (see "Expiry"); span: how long its pending window lives.
+local function pending_queue_expiry(x, v, entry, now, span, renew)
+  if not x.pekey then return end
+  local due = string.format('%d:%s:%s', now + x.ttl, v, entry)
+  if redis.call('RPUSH', x.pekey, due) == 1 or renew then
+    -- It outlives every entry it names (they go with their hash, at the latest).
+    redis.call('PEXPIRE', x.pekey, span + x.ttl)
+  end
+end
+
 local function key_hold(x, entry, amount, now)
-  for i = 1, #x.stale, 1000 do
-    redis.call('HDEL', x.pwkey, unpack(x.stale, i, math.min(i + 999, #x.stale)))
+  for i = 1, #x.stale, 500 do
+    local names = {}
+    for j = i, math.min(i + 499, #x.stale) do
+      names[#names + 1] = x.stale[j]
+      names[#names + 1] = PENDING_EXPIRED .. x.stale[j]
+    end
+    redis.call('HDEL', x.pwkey, unpack(names))
   end
   local q = x.q
   if q.repair then pending_requeue(x) end
@@ -355,8 +542,13 @@ local function key_hold(x, entry, amount, now)
       redis.call('DEL', x.pvkey, x.pqkey)
       q.tail = {}
     else
-      for i = 1, #q.stale, 1000 do
-        redis.call('HDEL', x.pvkey, unpack(q.stale, i, math.min(i + 999, #q.stale)))
+      for i = 1, #q.stale, 500 do
+        local names = {}
+        for j = i, math.min(i + 499, #q.stale) do
+          names[#names + 1] = q.stale[j]
+          names[#names + 1] = PENDING_EXPIRED .. q.stale[j]
+        end
+        redis.call('HDEL', x.pvkey, unpack(names))
       end
       local first = redis.call('LINDEX', x.pqkey, 0)
       if first then
@@ -369,6 +561,7 @@ local function key_hold(x, entry, amount, now)
       end
     end
   end
+  if x.pekey then pending_expire(x, now) end
   if amount <= 0 then return end
   local field = window_pending_field(now, x.bucket)
   local span = x.window + x.bucket
@@ -418,10 +611,12 @@ local function key_hold(x, entry, amount, now)
       redis.call('PEXPIRE', x.pvkey, span)
       redis.call('PEXPIRE', x.pqkey, span)
     end
+    pending_queue_expiry(x, '2', entry, now, span, pushed)
   else
     redis.call('HINCRBY', x.pwkey, field, string.format('%d', amount))
     redis.call('HSET', x.prkey, entry, pending_entry_encode(field, amount))
     redis.call('PEXPIRE', x.pwkey, span)
     redis.call('PEXPIRE', x.prkey, span)
+    pending_queue_expiry(x, '1', entry, now, span, true)
   end
 end

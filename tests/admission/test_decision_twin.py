@@ -282,7 +282,7 @@ def _call(prefix: str, index: int, case: Case) -> tuple[list[str], list[int | st
                 failure=FAILURE_MODES[k.failure],
                 burst=k.burst.encode() if k.burst is not None else "",
             ).argv()
-            held = [base + kind for kind in ("w", "pw", "pv", "pq", "pr")]
+            held = [base + kind for kind in ("w", "pw", "pv", "pq", "pr", "pe")]
             call.target(held, base + "bt" if k.burst is not None else None, argv)
     header = AdmitHeader(
         read_only=case.read_only,

@@ -52,6 +52,7 @@ def call(
                 observe=False,
                 failure=failure,
                 deps=deps,
+                reservation_ttl_ms=900_000,
             )
             for key, limit, amount in targets
         ),
