@@ -111,11 +111,14 @@ for i = 1, nmarks do names[i] = ARGV[9 + i] end
 local mark_state, mark_at = marks_states(KEYS[4], names, now, tonumber(ARGV[8]))
 
 -- Parse every plan; window state is read only for the plans evaluated.
+local unpublished = nil
+if not piece and not read_only then unpublished = KEYS[3] end
 local plans, a, k = {}, 10 + nmarks, 5
 for p = 1, nplans do
   local plan = {subject = ARGV[a], n = tonumber(ARGV[a + 1]), targets = {}}
   a = a + 2
   for j = 1, plan.n do
+    local state, mark = key_state(ARGV[a + 12], mark_state, mark_at)
     plan.targets[j] = {
       wkey = KEYS[k], pwkey = KEYS[k + 1], pvkey = KEYS[k + 2], pqkey = KEYS[k + 3],
       prkey = KEYS[k + 4], pekey = KEYS[k + 5],
@@ -125,12 +128,11 @@ for p = 1, nplans do
       observe = ARGV[a + 6] == '1', on_exceed = tonumber(ARGV[a + 7]),
       alt = tonumber(ARGV[a + 8]), cap_s = tonumber(ARGV[a + 9]),
       cap_r = tonumber(ARGV[a + 10]), cap_d = tonumber(ARGV[a + 11]),
-      failure = tonumber(ARGV[a + 13]), state = key_state(ARGV[a + 12], mark_state),
-      mark = key_mark(ARGV[a + 12], mark_at), repair = not read_only,
+      failure = tonumber(ARGV[a + 13]), state = state, mark = mark, repair = not read_only,
+      -- A hold due for expiry whose reserve is not acked yet is held on: its reservation's
+      -- own shard knows (a piece's does not; its hold expires when due).
+      unpub = unpublished,
     }
-    -- A hold due for expiry whose reserve is not acked yet is held on: its reservation's
-    -- own shard knows (a piece's does not; its hold expires when due).
-    if not piece and not read_only then plan.targets[j].unpub = KEYS[3] end
     k = k + 6
     if ARGV[a + 14] ~= '' then
       local x = plan.targets[j]

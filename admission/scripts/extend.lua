@@ -67,9 +67,9 @@ for j = 1, n do
     prkey = KEYS[k + 4], pekey = KEYS[k + 5],
     limit = tonumber(ARGV[a]), window = tonumber(ARGV[a + 1]), bucket = tonumber(ARGV[a + 2]),
     boundary = ARGV[a + 3], amount = tonumber(ARGV[a + 4]), observe = ARGV[a + 5] == '1',
-    failure = tonumber(ARGV[a + 6]), state = key_state(ARGV[a + 7], mark_state),
-    mark = key_mark(ARGV[a + 7], mark_at), ttl = tonumber(ARGV[a + 8]), repair = true,
+    failure = tonumber(ARGV[a + 6]), ttl = tonumber(ARGV[a + 8]), repair = true,
   }
+  x.state, x.mark = key_state(ARGV[a + 7], mark_state, mark_at)
   key_load(x, now)
   x.violated = x.used + x.reserved + x.amount > x.limit
   if x.state > 0 and x.failure == 1 then x.violated = false end

@@ -6,10 +6,9 @@
 --   marks_states(marks_key, names, now, staleness_ms) -> states, marks: per mark field, 0
 --     vouched, 1 stale (older than now - staleness_ms), 2 missing (codes.STATES), and its
 --     watermark (ms, nil when missing)
---   key_state(deps, states) -> the worst state of the marks a key depends on (deps: the
---     comma-separated 1-based indexes into states)
---   key_mark(deps, marks) -> the least watermark of the marks a key depends on (nil when
---     one is missing)
+--   key_state(deps, states, marks) -> the worst state of the marks a key depends on (deps:
+--     the comma-separated 1-based indexes into states), and (given marks) their least
+--     watermark (nil when one is missing)
 --   key_load(x, now): read the key x at now (x.wkey the absorbed window, x.pwkey the
 --     version-1 pending window, x.pvkey and x.pqkey the version-2 one and its queue,
 --     x.window, x.bucket, x.boundary): x.used (absorbed; a refund larger than what it
@@ -30,8 +29,8 @@
 --     pending entry named entry: the version-2 window when the absorbed window is a
 --     version-2 value (its worker absorbs version 2), else version 1; every key it writes
 --     lives window + bucket past the last write. A version-2 hold is also queued for expiry
---     (x.pekey, due x.ttl ms after now), and up to EXPIRY_STEP due or absorbed holds leave
---     the head of that queue (see "Expiry" below).
+--     (x.pekey, due x.ttl ms after now); every EXPIRY_EVERY holds queued, up to EXPIRY_STEP
+--     due or absorbed holds leave the head of that queue (see "Expiry" below).
 --
 -- The version-2 pending window: x.pvkey holds each bucket's amount under the bucket's last
 -- millisecond, their sum under 't' (window_codec.PENDING_TOTAL_FIELD), each reservation's
@@ -60,7 +59,9 @@ local PENDING_HEAD, PENDING_NEWEST = 'h', 'n'  -- the queue's first and last fie
 local PENDING_ENTRY = 'r:'  -- a reservation's entry in the version-2 hash: 'r:' .. id
 local PENDING_EXPIRED = 'x:'  -- the part of a bucket's amount whose entries expired
 local PENDING_EXPIRED_AT = 'xt'  -- the Redis clock of the latest expiry
-local EXPIRY_STEP = 4  -- queued holds looked at per hold (each hold queues one)
+-- Every EXPIRY_EVERY holds queued, up to EXPIRY_STEP queued holds are looked at (more than
+-- were queued in between, so the queue's head keeps up).
+local EXPIRY_EVERY, EXPIRY_STEP = 4, 8
 local EXPIRED_MARGIN_MS = 1000  -- how far the broker's clock may run ahead of Redis's
 
 local function marks_states(marks_key, names, now, staleness_ms)
@@ -81,23 +82,23 @@ local function marks_states(marks_key, names, now, staleness_ms)
   return states, marks
 end
 
-local function key_state(deps, states)
-  local state = 0
+local function key_state(deps, states, marks)
+  local state, least = 0, nil
   for d in string.gmatch(deps, '%d+') do
-    local st = states[tonumber(d)]
+    local i = tonumber(d)
+    local st = states[i]
     if st > state then state = st end
+    if marks then
+      local m = marks[i]
+      if not m then
+        marks = nil
+        least = nil
+      elseif not least or m < least then
+        least = m
+      end
+    end
   end
-  return state
-end
-
-local function key_mark(deps, marks)
-  local least = nil
-  for d in string.gmatch(deps, '%d+') do
-    local m = marks[tonumber(d)]
-    if not m then return nil end
-    if not least or m < least then least = m end
-  end
-  return least
+  return state, least
 end
 
 -- The version-2 pending window at now: its sum, what left the window (stale fields at the
@@ -465,8 +466,16 @@ end
 -- Up to EXPIRY_STEP holds leave the head of the expiry queue: absorbed ones, and due ones
 -- still pending, which expire (see "Expiry").
 local function pending_expire(x, now)
+  -- Usually the head decides alone: neither due nor absorbed (nothing leaves), read in two
+  -- calls.
+  local head = redis.call('LINDEX', x.pekey, 0)
+  if not head then return end
+  local due, v, name = string.match(head, '^(%d+):(%d):(.*)$')
+  if tonumber(due) > now then
+    local _, hash, entry = held_in(x, v, name)
+    if redis.call('HEXISTS', hash, entry) == 1 then return end
+  end
   local heads = redis.call('LRANGE', x.pekey, 0, EXPIRY_STEP - 1)
-  if #heads == 0 then return end
   local dues, versions, names, entries = {}, {}, {}, {}
   local asks = {}  -- entries hash -> {names, head indexes}
   for i = 1, #heads do
@@ -513,14 +522,17 @@ local function pending_expire(x, now)
   end
 end
 
--- Queue a hold for expiry (see "Expiry"); span: how long its pending window lives.
+-- Queue a hold for expiry (see "Expiry"); span: how long its pending window lives. Every
+-- EXPIRY_EVERY-th length, the queue's head is looked at.
 local function pending_queue_expiry(x, v, entry, now, span, renew)
   if not x.pekey then return end
   local due = string.format('%d:%s:%s', now + x.ttl, v, entry)
-  if redis.call('RPUSH', x.pekey, due) == 1 or renew then
+  local length = redis.call('RPUSH', x.pekey, due)
+  if length == 1 or renew then
     -- It outlives every entry it names (they go with their hash, at the latest).
     redis.call('PEXPIRE', x.pekey, span + x.ttl)
   end
+  if length % EXPIRY_EVERY == 0 then pending_expire(x, now) end
 end
 
 local function key_hold(x, entry, amount, now)
@@ -561,7 +573,6 @@ local function key_hold(x, entry, amount, now)
       end
     end
   end
-  if x.pekey then pending_expire(x, now) end
   if amount <= 0 then return end
   local field = window_pending_field(now, x.bucket)
   local span = x.window + x.bucket
