@@ -145,6 +145,10 @@ class TestReservationExpiry:
             # Nothing expired is lost: every hold still counts, charged in full.
             assert key.read(t) == key.exact(t), f"after {step * 10 + 10} s"
         assert len(key.holds) == minutes * 600
+        print(
+            f"{lua_server.backend} v{version}: {minutes} min at 10/s, TTL 1 min: at most "
+            f"{worst_entries} entries and {worst_queued} queued (bound {bound:.0f})"
+        )
         assert worst_entries <= bound, (worst_entries, bound)
         assert worst_queued <= bound, (worst_queued, bound)
         # Without expiry every hold would still be an entry.
