@@ -373,8 +373,9 @@ class LocalStack:
             return sock.recv(16).startswith(b"+PONG")
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def up(self) -> list[ServiceStatus]:
-        """Start whatever is not running yet and wait until both answer.
+    def up(self, services: tuple[Service, ...] = SERVICES) -> list[ServiceStatus]:
+        """Start whatever of ``services`` is not running yet and wait until they answer
+        (``dev up --brokers 3`` starts only Redis here: its Kafka is :mod:`devkafka`'s).
 
         Raises:
             ConfigurationError: a port is taken by a stranger, or a tool is missing.
@@ -385,6 +386,7 @@ class LocalStack:
             "redis": (self._start_redis, self._redis_ready),
             "kafka": (self._start_kafka, self._kafka_ready),
         }
+        starters = {name: both for name, both in starters.items() if name in services}
         for name, (start, _) in starters.items():
             if self.pid(name) is None:
                 pid = start()
