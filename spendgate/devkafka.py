@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -197,7 +198,7 @@ class LocalKafkaCluster:
             "REPLICATION_FACTOR": str(self.replication_factor),
             "MIN_INSYNC_REPLICAS": str(self.min_insync_replicas),
         }
-        return [f"export SPENDGATE_KAFKA_{k}={v}" for k, v in env.items()]
+        return [f"export SPENDGATE_KAFKA_{k}={shlex.quote(v)}" for k, v in env.items()]
 
     # -- files ---------------------------------------------------------------------------------
     def _server_properties(self, node_id: int) -> dict[str, str]:
