@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,9 +33,10 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from spendgate.schemas.backoff import connection_lost
 from spendgate.schemas.luascript import LuaScript
 
-__all__ = ["ReplicaLag", "connection_lost", "run_replicated"]
+__all__ = ["ReplicaLag", "run_replicated"]
 
 
 class ReplicaLag(RedisConnectionError):
@@ -70,8 +70,8 @@ async def run_replicated(
         ]
         try:
             await node.execute_pipeline(calls)
-        except (RedisConnectionError, OSError, AttributeError, TypeError) as exc:
-            if isinstance(exc, AttributeError | TypeError) and not connection_lost(exc):
+        except (RedisConnectionError, OSError, AttributeError, TypeError, RuntimeError) as exc:
+            if not isinstance(exc, RedisConnectionError | OSError) and not connection_lost(exc):
                 raise
             await _refresh(client)
             raise RedisConnectionError(f"cluster node {node.name} failed: {exc!r}") from exc
@@ -97,21 +97,6 @@ async def run_replicated(
     raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
 
-def connection_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` is redis-py's asyncio connection writing to a transport the peer
-    closed (redis-py issue 4287: an ``AttributeError`` or ``TypeError`` from the write
-    path instead of ``ConnectionError``), so a lost connection, not a bug of the caller."""
-    if not isinstance(exc, AttributeError | TypeError):
-        return False
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(_REDIS_CONNECTION):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-_REDIS_CONNECTION = os.path.join("redis", "asyncio", "connection.py")
 #: A node that no longer (or not yet) serves the slot: redirected, or mid-failover.
 _NOT_HERE = (AskError, ClusterDownError, TryAgainError)
 _refreshing: dict[int, asyncio.Lock] = {}

@@ -26,7 +26,7 @@ from spendgate.admission.decide import (
 from spendgate.admission.exceptions import Overloaded, StoreUnavailable
 from spendgate.admission.metrics import OVERLOADED, STORE_FAILURES
 from spendgate.admission.pieces import admit_across, extend_across
-from spendgate.admission.replicated import connection_lost, run_replicated
+from spendgate.admission.replicated import run_replicated
 from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, RECORD_GRACE_MS
 from spendgate.admission.scripts import admit as admit_script
 from spendgate.admission.scripts import extend as extend_script
@@ -36,6 +36,7 @@ from spendgate.admission.scripts.codes import FAILURE_MODES
 from spendgate.admission.scripts.extend import ExtendArgs, ExtendResult, ExtendTarget
 from spendgate.admission.scripts.settle import SettleArgs, SettleResult
 from spendgate.schemas import window_codec
+from spendgate.schemas.backoff import connection_lost
 from spendgate.schemas.events import Subject, Usage, partition_key
 from spendgate.schemas.layout import Layout
 from spendgate.schemas.luascript import LuaScript, run_script
@@ -161,7 +162,7 @@ class BudgetStore:
         try:
             try:
                 return await call()
-            except (AttributeError, TypeError) as exc:
+            except (AttributeError, TypeError, RuntimeError) as exc:
                 if not connection_lost(exc):
                     raise
                 raise RedisConnectionError(f"connection lost mid-call ({exc!r})") from exc

@@ -50,8 +50,7 @@ from spendgate.admission.reserves import IDEMPOTENCY_TTL_MS, reserve_event_from_
 from spendgate.admission.scripts import claim_unpublished, tombstone
 from spendgate.admission.scripts.claim_unpublished import ClaimArgs, ClaimReply
 from spendgate.admission.scripts.tombstone import TombstoneArgs
-from spendgate.schemas.backoff import STORE_ERRORS as _REDIS_ERRORS
-from spendgate.schemas.backoff import Backoff
+from spendgate.schemas.backoff import Backoff, store_fault
 from spendgate.schemas.events import ReserveEvent, UsageEvent
 from spendgate.schemas.layout import Layout
 from spendgate.schemas.luascript import LuaScript, run_script
@@ -81,7 +80,7 @@ def _failed(task: str, backoff: Backoff, exc: BaseException) -> float:
     """Count and log one failure of a background task; returns the delay before its
     next try (``backoff``)."""
     delay = backoff.failed()
-    store = isinstance(exc, _REDIS_ERRORS)
+    store = store_fault(exc)
     if store:
         STORE_ERRORS.labels(task=task).inc()
     logger.warning(
@@ -185,7 +184,9 @@ class ReserveSweeper:
         for prefix in self.layout.shards():
             try:
                 acked, full = await self._sweep_shard(prefix)
-            except _REDIS_ERRORS as exc:
+            except Exception as exc:
+                if not store_fault(exc):
+                    raise
                 # This shard waits for the next sweep; the others are swept now.
                 failed = exc
                 continue
@@ -253,7 +254,9 @@ class ReserveSweeper:
                     rid = raw.decode() if isinstance(raw, bytes) else str(raw)
                     await self._resolve_piece(prefix, rid)
                     resolved += 1
-            except _REDIS_ERRORS as exc:
+            except Exception as exc:
+                if not store_fault(exc):
+                    raise
                 failed = exc
         if failed is not None:
             raise failed
@@ -391,7 +394,9 @@ class ReserveSweeper:
         """
         try:
             await self.flush_acked()
-        except _REDIS_ERRORS as exc:
+        except Exception as exc:
+            if not store_fault(exc):
+                raise
             # Left listed: republished once more after the grace period (harmless).
             logger.warning(
                 "%d acked reserves stay listed as unpublished (%s)", len(self._acked), exc

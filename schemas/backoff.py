@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from redis.exceptions import RedisClusterException, RedisError
 
-__all__ = ["STORE_ERRORS", "Backoff"]
+__all__ = ["STORE_ERRORS", "Backoff", "connection_lost", "store_fault"]
 
 #: A Redis call that failed: refused, timed out, a cluster without a slot's master (a
 #: failover), a script error. Each is a retry in the services' background work, never a
@@ -15,6 +17,31 @@ STORE_ERRORS: tuple[type[Exception], ...] = (
     OSError,
     TimeoutError,
 )
+
+
+_REDIS_CONNECTION = os.path.join("redis", "asyncio", "connection.py")
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py's asyncio connection writing to a transport the peer
+    closed, so a lost connection (a node killed, a failover), not a bug of the caller:
+    an ``AttributeError`` or ``TypeError`` from its write path instead of
+    ``ConnectionError`` (redis-py issue 4287), or uvloop's ``RuntimeError`` ("unable to
+    perform operation on <TCPTransport closed=True>") raised under it."""
+    if not isinstance(exc, AttributeError | TypeError | RuntimeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_REDIS_CONNECTION):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def store_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store fault: one of :data:`STORE_ERRORS` or a lost connection
+    (:func:`connection_lost`). Anything else is a bug and is not retried as one."""
+    return isinstance(exc, STORE_ERRORS) or connection_lost(exc)
 
 
 class Backoff:

@@ -13,7 +13,7 @@ from spendgate.streams.gaps import is_budget_key
 from spendgate.streams.ledger import KeyState
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
-from spendgate.streams.retry import STORE_ERRORS, StoreRetry
+from spendgate.streams.retry import StoreRetry, store_fault
 
 __all__ = ["DriftCheck", "DriftCycle", "windows_live"]
 
@@ -95,7 +95,9 @@ class DriftCheck:
             return
         try:
             healed_keys = await self.materializer.heal_many(due)
-        except STORE_ERRORS as exc:
+        except Exception as exc:
+            if not store_fault(exc):
+                raise
             self.retry.failed(exc)
             return
         self.retry.succeeded()

@@ -28,7 +28,7 @@ from spendgate.streams.ledger import KeyState
 from spendgate.streams.marks import Watermarks
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
-from spendgate.streams.retry import STORE_ERRORS, StoreRetry
+from spendgate.streams.retry import StoreRetry, store_fault
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 from spendgate.streams.settings import WorkerSettings
 
@@ -122,10 +122,11 @@ class RedisKeeper:
             await self.retry.wait()
             try:
                 await self.tick()
-            except STORE_ERRORS as exc:
-                self.retry.failed(exc)
             except Exception as exc:  # noqa: BLE001 - the loop must go on
-                logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
+                if store_fault(exc):
+                    self.retry.failed(exc)
+                else:
+                    logger.warning("keeping Redis failed this tick (next in 0.5 s): %r", exc)
             else:
                 self.retry.succeeded()
 

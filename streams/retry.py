@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Container
 from typing import Any
 
-from spendgate.schemas.backoff import STORE_ERRORS, Backoff
+from spendgate.schemas.backoff import STORE_ERRORS, Backoff, store_fault
 from spendgate.streams import metrics
 
-__all__ = ["STORE_ERRORS", "StoreRetry", "commit_until_written"]
+__all__ = ["STORE_ERRORS", "StoreRetry", "commit_until_written", "store_fault"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,9 @@ async def commit_until_written(
     while True:
         try:
             await commit(events)
-        except STORE_ERRORS as exc:
+        except Exception as exc:
+            if not store_fault(exc):
+                raise
             retry.failed(exc)
         else:
             retry.succeeded()
