@@ -11,8 +11,6 @@ from typing import Any
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
-from redis.asyncio import BlockingConnectionPool
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -25,6 +23,7 @@ from spendgate.admission.refusals import KafkaRefusals
 from spendgate.admission.settings import AdmissionSettings
 from spendgate.admission.store import BudgetStore
 from spendgate.admission.sweeper import ReserveSweeper
+from spendgate.schemas import redis_connect
 from spendgate.schemas.key_settings import announce
 from spendgate.schemas.prices import load_catalog
 from spendgate.schemas.redis_connect import layout_of
@@ -36,29 +35,19 @@ def redis_client(settings: AdmissionSettings) -> aioredis.Redis:
     """A Redis client that gives up fast: short timeouts and no hidden retries.
 
     The failure modes decide what happens when Redis is gone; redis-py's default retries
-    would only multiply the time a caller waits for that answer.
+    would only multiply the time a caller waits for that answer. On a cluster, one pool
+    per node, each capped; the store's backpressure bounds the calls.
     """
-    if settings.redis_cluster:
-        # One pool per node, each capped; the store's backpressure bounds the calls.
-        return RedisCluster.from_url(  # type: ignore[return-value]
-            settings.redis_url,
-            max_connections=settings.redis_connections,
-            socket_timeout=settings.redis_timeout_s,
-            socket_connect_timeout=settings.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=settings.redis_connections,
+    return redis_connect.async_client(
+        settings.redis(),
         # The store's backpressure queues calls before they ask the pool, so this wait is
         # only a backstop (answered as overload, never as a failing Redis).
-        timeout=settings.redis_queue_wait_s,
+        pool_timeout_s=settings.redis_queue_wait_s,
+        max_connections=settings.redis_connections,
         socket_timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s,
         retry=Retry(NoBackoff(), 0),
     )
-    # Owned by the client: closing it disconnects the pool (else the sockets leak).
-    return aioredis.Redis.from_pool(pool)
 
 
 def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetStore:
@@ -86,6 +75,7 @@ def budget_store(settings: AdmissionSettings, client: aioredis.Redis) -> BudgetS
 def build_app(settings: AdmissionSettings) -> FastAPI:
     """The admission app whose lifespan opens Redis and the Kafka producer."""
     kafka = settings.kafka()
+    redis_conn = settings.redis()
     client = redis_client(settings)
     store = budget_store(settings, client)
     publisher = KafkaPublisher(
@@ -119,8 +109,11 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
                 "AUTH IS OFF: any caller may act for any tenant (set SPENDGATE_AUTH_TOKENS_FILE)"
             )
         announce(key_ids, logger)
-        await warn_if_not_durable(client)
         try:
+            # Wrong credentials or certificates stop the start with one line naming the
+            # setting; an unreachable Redis does not (the failure modes answer for it).
+            await redis_connect.check(client, redis_conn)
+            await warn_if_not_durable(client)
             # The sweeper stops first (nothing republished into a closing publisher); the
             # reserves acked while the publisher drains are unlisted after it.
             async with refusals, publisher, sweeper:

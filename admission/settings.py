@@ -9,19 +9,15 @@ from pydantic_settings import SettingsConfigDict
 
 from spendgate.schemas.kafka_connect import KafkaSettings
 from spendgate.schemas.key_settings import SubjectSecretSettings
+from spendgate.schemas.redis_connect import RedisSettings
 from spendgate.schemas.types import Switch
 
 
-class AdmissionSettings(SubjectSecretSettings, KafkaSettings):
+class AdmissionSettings(SubjectSecretSettings, KafkaSettings, RedisSettings):
     """Everything the admission service reads from its environment."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster: keys are laid out by
-    #: virtual shard (``schemas.layout``), a request spanning shards is admitted piece by
-    #: piece (``admission.pieces``). The worker's setting must be the same.
-    redis_cluster: Switch = False
     #: On a cluster, the replicas that must acknowledge a step that holds (admit, seal,
     #: extend) before it is answered, so a failover never loses an answered reservation
     #: (``admission.replicated``); fewer in ``redis_wait_ms`` is a store failure (the

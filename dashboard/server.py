@@ -17,7 +17,7 @@ from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.settings import DashboardSettings
 from spendgate.schemas.alerts import Alert
-from spendgate.schemas.redis_connect import async_client, layout_of
+from spendgate.schemas.redis_connect import async_client, check, layout_of
 from spendgate.schemas.refusals import Refusal
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 def build_app(settings: DashboardSettings) -> Starlette:
     """The dashboard app whose lifespan runs the alert and refusal feeds and the scraper."""
-    client = async_client(settings.redis_url, settings.redis_cluster)
+    redis = settings.redis()
+    client = async_client(redis)
     reader = BudgetReader(
         client, settings.redis_prefix, layout_of(settings.redis_prefix, settings.redis_cluster)
     )
@@ -55,6 +56,8 @@ def build_app(settings: DashboardSettings) -> Starlette:
             )
         tasks = [asyncio.create_task(t.run()) for t in (alerts, refusals, scraper)]
         try:
+            # Wrong credentials or certificates: one line naming the setting, no page.
+            await check(client, redis)
             yield
         finally:
             for task in tasks:

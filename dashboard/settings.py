@@ -8,17 +8,15 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from spendgate.schemas.kafka_connect import KafkaSettings
+from spendgate.schemas.redis_connect import RedisSettings
 from spendgate.schemas.types import Switch
 
 
-class DashboardSettings(KafkaSettings):
+class DashboardSettings(KafkaSettings, RedisSettings):
     """Everything ``spendgate dashboard`` reads from its environment."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster (``schemas.layout``).
-    redis_cluster: Switch = False
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
     dashboard_host: str = "127.0.0.1"

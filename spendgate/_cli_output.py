@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
 from rich.console import Console
 from rich.table import Table
@@ -29,12 +28,9 @@ def say(label: str, style: str, text: str, *, out: Console | None = None) -> Non
 
 def without_password(url: str) -> str:
     """``url`` with any password replaced by ``***``, fit to print or log."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***" if parts.username else ":***"
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    from spendgate.schemas.redis_connect import redact_url
+
+    return redact_url(url)
 
 
 _STATE_STYLE = {"vouched": "green", "stale": "yellow", "missing": "red"}
@@ -46,20 +42,19 @@ def print_decidability(out: Console) -> None:
 
     from spendgate.admission.settings import AdmissionSettings
     from spendgate.admission.status import read_status_sync
+    from spendgate.schemas import redis_connect
 
     settings = AdmissionSettings()
-    client = redis.Redis.from_url(
-        settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
-    )
+    # One node's keys, as the status always read them (a cluster's is admission's
+    # /v1/status, which reads its control shard).
+    conn = settings.redis().model_copy(update={"cluster": False})
+    client = redis_connect.client(conn, socket_timeout=1.0, socket_connect_timeout=1.0)
     try:
         status = read_status_sync(client, settings.redis_prefix, int(settings.staleness_s * 1000))
     except redis.RedisError as exc:
-        say(
-            "decidable:",
-            "yellow",
-            f"unknown (Redis at {without_password(settings.redis_url)}: {exc})",
-            out=out,
-        )
+        error = redis_connect.explain(exc, conn)
+        shown = str(error) if error else f"Redis at {conn.redacted()}: {exc}"
+        say("decidable:", "yellow", f"unknown ({shown})", out=out)
         return
     finally:
         client.close()

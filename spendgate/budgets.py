@@ -7,7 +7,13 @@ from collections.abc import Sequence
 from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.views import KeyRow
 from spendgate.schemas.matching import parse_key
-from spendgate.schemas.redis_connect import async_client, layout_of
+from spendgate.schemas.redis_connect import (
+    RedisConnection,
+    RedisSettings,
+    async_client,
+    check,
+    layout_of,
+)
 
 __all__ = ["top_budgets"]
 
@@ -22,7 +28,7 @@ def _matches(key: str, subject: dict[str, str]) -> bool:
 
 
 async def top_budgets(
-    redis_url: str,
+    redis: RedisConnection | str,
     prefix: str,
     *,
     top: int,
@@ -36,11 +42,19 @@ async def top_budgets(
     Candidates come from the worker's utilization index (``schemas.redis_keys.
     utilization_key``) in its order, so only the rows shown are decoded; ``tenant`` and
     ``policy`` filter on the index's names, ``subject`` (``field=value`` pairs) on the
-    keys' ``group_by`` values. ``cluster``: ``redis_url`` names a Redis Cluster node.
+    keys' ``group_by`` values.
+
+    ``redis``: the connection (``WorkerSettings.redis()``). A URL string is still taken
+    (the ``budgets`` command passes one today): the other ``SPENDGATE_REDIS_*`` settings
+    of the environment (user, password, TLS) then apply to it, and ``cluster`` says it
+    names a Redis Cluster node.
     """
-    client = async_client(redis_url, cluster)
+    if isinstance(redis, str):
+        redis = RedisSettings(redis_url=redis, redis_cluster=cluster).redis()
+    client = async_client(redis)
     try:
-        reader = BudgetReader(client, prefix, layout_of(prefix, cluster))
+        await check(client, redis)
+        reader = BudgetReader(client, prefix, layout_of(prefix, redis.cluster))
         wanted = dict(subject)
         rows: list[KeyRow] = []
         offset = 0

@@ -21,7 +21,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spendgate.devstack import StackSettings, alive, port_open, redis_binary, stop_pid
+from spendgate.schemas import redis_connect
 from spendgate.schemas.exceptions import ConfigurationError
+from spendgate.schemas.redis_connect import RedisConnection
 
 
 class ClusterSettings(BaseSettings):
@@ -133,7 +135,8 @@ class LocalCluster:
         return proc.pid
 
     def _client(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=1)
+        node = RedisConnection(url=f"redis://localhost:{port}/0")
+        return redis_connect.client(node, socket_timeout=2, socket_connect_timeout=1)
 
     def _info(self, port: int) -> dict[str, str]:
         with contextlib.closing(self._client(port)) as client:

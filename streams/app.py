@@ -161,7 +161,7 @@ class Worker:
             settings.kafka(), settings.topic("policies"), policies, key_ids=self.key_ids
         )
         self.materializer = RedisMaterializer(
-            async_client(settings.redis_url, settings.redis_cluster),
+            async_client(settings.redis()),
             settings.redis_prefix,
             limit_of=lambda policy_id: (
                 p.limit if (p := self.book.policies.get(policy_id)) else None

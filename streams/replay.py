@@ -19,7 +19,7 @@ from spendgate.schemas import kafka_connect, window_codec
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.policies import Policy
 from spendgate.schemas.prices import load_catalog
-from spendgate.schemas.redis_connect import async_client, layout_of
+from spendgate.schemas.redis_connect import async_client, check, layout_of
 from spendgate.schemas.redis_keys import window_key
 from spendgate.schemas.windows import WindowSpec
 from spendgate.streams.dedupe import IdStore
@@ -171,7 +171,8 @@ async def replay(
     rebuilt, summary = Rebuilt(), ReplaySummary()
     policies = await _read(settings, since, rebuilt, summary, progress)
     summary.keys = len(rebuilt.states)
-    client = async_client(settings.redis_url, settings.redis_cluster)
+    redis = settings.redis()
+    client = async_client(redis)
     materializer = RedisMaterializer(
         client,
         settings.redis_prefix,
@@ -180,6 +181,7 @@ async def replay(
         policy_of=policies.get,
     )
     try:
+        await check(client, redis)
         keys = sorted(rebuilt.states)
         for start in range(0, len(keys), RESTORE_BATCH):
             chunk = keys[start : start + RESTORE_BATCH]

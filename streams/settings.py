@@ -9,18 +9,15 @@ from pydantic_settings import SettingsConfigDict
 
 from spendgate.schemas.kafka_connect import KafkaSettings
 from spendgate.schemas.key_settings import SubjectSecretSettings
-from spendgate.schemas.types import Duration, Switch, parse_duration_ms
+from spendgate.schemas.redis_connect import RedisSettings
+from spendgate.schemas.types import Duration, parse_duration_ms
 
 
-class WorkerSettings(SubjectSecretSettings, KafkaSettings):
+class WorkerSettings(SubjectSecretSettings, KafkaSettings, RedisSettings):
     """Everything the worker reads from its environment, built once in the entry point."""
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster: keys are laid out by
-    #: virtual shard (``schemas.layout``) and the cluster client is used.
-    redis_cluster: Switch = False
     topic_prefix: str = "budget."
     redis_prefix: str = "sg:"
     #: YAML/JSON price catalog for ``cost_usd`` policies (none: only events carrying

@@ -41,6 +41,7 @@ from spendgate.schemas import (
     parse_event,
 )
 from spendgate.schemas.kafka_connect import KafkaConnection
+from spendgate.schemas.redis_connect import RedisConnection
 from spendgate.schemas.status import PartitionStatus, StackStatus, TopologyCounts, WorkerLag
 
 AT = "2025-01-02T03:04:05.678Z"
@@ -112,6 +113,7 @@ SAMPLES: dict[type[BaseModel], dict[str, Any]] = {
         "replication_factor": 3,
         "min_insync_replicas": 2,
     },
+    RedisConnection: {"url": "rediss://r1:6380/0", "cluster": True, "username": "spendgate"},
     StackStatus: {
         "decidable": False,
         "reason": "no topology",
