@@ -319,6 +319,18 @@ def explain(exc: BaseException, conn: RedisConnection) -> ConfigurationError | N
         return ConfigurationError(
             f"{where}: its certificate is not trusted by {_ENV}SSL_CAFILE ({trusted}): {reason}"
         )
+    if (
+        tls is None
+        and conn.uses_tls
+        and conn.ssl_certfile is None
+        and any(isinstance(e, ConnectionResetError) for e in chain)
+    ):
+        # TLS 1.3: the handshake ends before the server checks for a client certificate,
+        # so a server that requires one (tls-auth-clients yes) just resets the connection.
+        return ConfigurationError(
+            f"{where} reset the connection after the TLS handshake: it may require a client "
+            f"certificate (tls-auth-clients yes); set {_ENV}SSL_CERTFILE and {_ENV}SSL_KEYFILE"
+        )
     if tls is not None:
         return ConfigurationError(
             f"{where}: the TLS handshake failed ({tls.reason or tls}); check {_ENV}SSL_CAFILE, "

@@ -1,0 +1,258 @@
+"""Redis over TLS with an ACL user, through the one connection setting: a redis-server of
+the test's own (certificates made with openssl, client certificates required, the
+``default`` user off), then admission's own client and scripts on it; a wrong password
+and an untrusted certificate are one line naming the variable; the same on a Redis
+Cluster of three TLS masters."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from spendgate.admission.app import create_app
+from spendgate.admission.server import budget_store, redis_client
+from spendgate.admission.settings import AdmissionSettings
+from spendgate.schemas import redis_connect
+from spendgate.schemas.exceptions import ConfigurationError
+from spendgate.schemas.policies import Policy
+from spendgate.schemas.redis_connect import RedisConnection, RedisSettings
+from tests.fixtures.admission import (
+    REDIS_SERVER,
+    Admission,
+    RecordingPublisher,
+    free_port,
+)
+
+pytestmark = pytest.mark.integration
+
+USER, PASSWORD = "spendgate", "tls-acl-pa55word"
+POLICY = Policy.model_validate(
+    {"id": "per-tenant", "limit": 2, "unit": "requests", "window": "1h", "group_by": ["tenant"]}
+)
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    #: A CA that signed nothing here: trusting it alone, the server is untrusted.
+    other_ca: Path
+    password_file: Path
+    wrong_password_file: Path
+    acl_file: Path
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def _ca(folder: Path, name: str) -> tuple[Path, Path]:
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    _openssl("req", "-x509", "-new", "-nodes", "-newkey", "ec", "-pkeyopt",
+             "ec_paramgen_curve:prime256v1", "-keyout", str(key), "-out", str(cert),
+             "-days", "1", "-subj", f"/CN=spendgate test {name}")  # fmt: skip
+    return cert, key
+
+
+def _signed(folder: Path, name: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    cert, key, csr = folder / f"{name}.pem", folder / f"{name}.key", folder / f"{name}.csr"
+    ext = folder / f"{name}.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("req", "-new", "-nodes", "-newkey", "ec", "-pkeyopt",
+             "ec_paramgen_curve:prime256v1", "-keyout", str(key), "-out", str(csr),
+             "-subj", f"/CN={name}")  # fmt: skip
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+             "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext))  # fmt: skip
+    return cert, key
+
+
+def _private(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    if shutil.which("openssl") is None or not Path(REDIS_SERVER).exists():
+        pytest.skip("openssl and redis-server are needed")
+    folder = tmp_path_factory.mktemp("pki")
+    ca = _ca(folder, "ca")
+    server, client = _signed(folder, "server", ca), _signed(folder, "client", ca)
+    acl = folder / "users.acl"
+    acl.write_text(f"user default off\nuser {USER} on >{PASSWORD} ~* &* +@all\n")
+    return Pki(
+        ca=ca[0],
+        server_cert=server[0],
+        server_key=server[1],
+        client_cert=client[0],
+        client_key=client[1],
+        other_ca=_ca(folder, "other-ca")[0],
+        password_file=_private(folder / "password", PASSWORD + "\n"),
+        wrong_password_file=_private(folder / "wrong-password", "not-it\n"),
+        acl_file=acl,
+    )
+
+
+def _server_args(pki: Pki, port: int) -> list[str]:
+    return [
+        REDIS_SERVER,
+        "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+        "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
+        "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", "yes",
+        "--aclfile", str(pki.acl_file),
+        "--save", "", "--appendonly", "no",
+    ]  # fmt: skip
+
+
+def _listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        assert proc.poll() is None, f"redis-server exited: {log.read_text()[-2000:]}"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() < deadline, f"redis-server not listening: {log.read_text()}"
+        time.sleep(0.02)
+
+
+class Servers:
+    """redis-server processes of this test's own, each stopped at the end."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], port: int, name: str) -> None:
+        folder = self.folder / name
+        folder.mkdir()
+        log = folder / "redis.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([*args, "--dir", str(folder)], stdout=out, stderr=out)
+        self.procs.append(proc)
+        _listening(port, proc, log)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Servers]:
+    started = Servers(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def tls_redis(pki: Pki, servers: Servers) -> int:
+    """The TLS port of one redis-server: client certificates required, ACL user only."""
+    port = free_port()
+    servers.start(_server_args(pki, port), port, "one")
+    return port
+
+
+def _settings(pki: Pki, port: int, **overrides: Any) -> dict[str, Any]:
+    return {
+        "redis_url": f"rediss://127.0.0.1:{port}/0",
+        "redis_username": USER,
+        "redis_password_file": str(pki.password_file),
+        "redis_ssl_cafile": str(pki.ca),
+        "redis_ssl_certfile": str(pki.client_cert),
+        "redis_ssl_keyfile": str(pki.client_key),
+        **overrides,
+    }
+
+
+async def _refused(conn: RedisConnection) -> str:
+    client = redis_connect.async_client(conn, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        with pytest.raises(ConfigurationError) as info:
+            await redis_connect.check(client, conn)
+    finally:
+        await client.aclose()
+    return str(info.value)
+
+
+class TestOneRedis:
+    async def test_admission_admits_over_tls_as_the_acl_user(
+        self, pki: Pki, tls_redis: int
+    ) -> None:
+        prefix = f"tls{uuid.uuid4().hex[:8]}:"
+        settings = AdmissionSettings(
+            **_settings(pki, tls_redis),
+            redis_prefix=prefix,
+            redis_timeout_s=5.0,
+            redis_down_s=0.0,
+            policy_refresh_s=0.05,
+        )
+        conn = settings.redis()
+        assert "tls-acl" not in repr(settings) + repr(conn) + conn.redacted()
+        client = redis_client(settings)
+        try:
+            assert await redis_connect.check(client, conn)
+            assert await client.acl_whoami() in (USER, USER.encode())
+            publisher = RecordingPublisher()
+            store = budget_store(settings, client)
+            app = create_app(store, publisher)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://adm") as http:
+                adm = Admission(http, store, publisher, prefix, client)
+                await adm.policies(POLICY)
+                # Each admit is the admit script (EVALSHA) run on the TLS connection.
+                answers = [(await adm.admit("acme", requests=1)).status_code for _ in range(3)]
+            assert answers == [200, 200, 429]
+            assert publisher.kinds() == ["reserve", "reserve"]
+        finally:
+            await client.aclose()
+        # The CLI's blocking client, on the same settings.
+        sync = redis_connect.client(conn)
+        assert sync.ping() is True
+        sync.close()
+
+    async def test_a_wrong_password_names_the_password_settings(
+        self, pki: Pki, tls_redis: int
+    ) -> None:
+        conn = RedisSettings(
+            **_settings(pki, tls_redis, redis_password_file=str(pki.wrong_password_file))
+        ).redis()
+        message = await _refused(conn)
+        assert message.startswith(f"Redis at rediss://{USER}:***@127.0.0.1:{tls_redis}/0 ")
+        assert "SPENDGATE_REDIS_PASSWORD or SPENDGATE_REDIS_PASSWORD_FILE" in message
+        assert "not-it" not in message and "\n" not in message
+
+    async def test_an_untrusted_certificate_names_the_ca_setting(
+        self, pki: Pki, tls_redis: int
+    ) -> None:
+        conn = RedisSettings(
+            **_settings(pki, tls_redis, redis_ssl_cafile=str(pki.other_ca))
+        ).redis()
+        message = await _refused(conn)
+        assert f"not trusted by SPENDGATE_REDIS_SSL_CAFILE ({pki.other_ca})" in message
+        assert message.endswith("self-signed certificate in certificate chain")
+
+    async def test_no_client_certificate_when_the_server_asks_names_the_tls_settings(
+        self, pki: Pki, tls_redis: int
+    ) -> None:
+        conn = RedisSettings(
+            **_settings(pki, tls_redis, redis_ssl_certfile=None, redis_ssl_keyfile=None)
+        ).redis()
+        message = await _refused(conn)
+        assert "SPENDGATE_REDIS_SSL_CERTFILE and SPENDGATE_REDIS_SSL_KEYFILE" in message
