@@ -66,9 +66,20 @@ PartitionFold = Callable[[int, Sequence[Any]], Awaitable[tuple[FoldResult, Last]
 class StateTable(Protocol):
     """The key-state table (faust's, changelogged)."""
 
-    def write(self, events: Sequence[Any], writes: Sequence[KeyWrite]) -> None:
-        """Write the changed keys of one partition's fold; ``events`` are that partition's
-        (a table write goes to the changelog partition of its event), no await inside."""
+    def write(
+        self, events: Sequence[Any], writes: Sequence[KeyWrite], alerts: Sequence[Alert] = ()
+    ) -> None:
+        """Write the changed keys of one partition's fold, and the ``alerts`` it raised
+        beside those the partition kept unsent (``streams.unsent``); ``events`` are that
+        partition's (a table write goes to the changelog partition of its event), no
+        await inside."""
+
+    def unsent(self, events: Sequence[Any]) -> list[Alert]:
+        """The alerts kept unsent for the partition of ``events``."""
+
+    def sent(self, events: Sequence[Any], alert_ids: Iterable[str]) -> None:
+        """The broker acked ``alert_ids``: no longer kept for the partition of
+        ``events``."""
 
     def forget(self) -> None:
         """Drop every cached state: a batch failed half-way, read the table again."""
@@ -162,11 +173,12 @@ class BatchCommit:
     longer owns (:func:`drop_carried`).
 
     Alerts are at least once: an alert is kept as unsent from the table write that records
-    its crossing (step 2) until the broker acked it, and every batch's step 5 sends the
-    unsent ones again (a failed batch's records come again as redeliveries, which raise
-    none). Their ids are deterministic, so a consumer drops a second copy by id. What stays
-    at most once, knowingly: an alert unsent when the process dies (the table already
-    holds its crossing).
+    its crossing (step 2, in the table too: ``streams.unsent``) until the broker acked it,
+    and every batch's step 5 sends the unsent ones again (a failed batch's records come
+    again as redeliveries, which raise none). A process that died in between leaves them
+    in the table: the partition's next batch, here or on the worker that took it over,
+    finds them in step 2 and sends them. Their ids are deterministic, so a consumer drops
+    a second copy by id.
 
     Step 4 writes the marks only once every window step of the batch succeeded
     (``streams.materialize.RedisMaterializer.write_batch``): a mark never vouches for a
@@ -228,14 +240,18 @@ class BatchCommit:
         touched: set[str] = set()
         written: list[Carried] = []
         parts: list[Folded] = []
+        groups: dict[int, Sequence[Any]] = {}
         try:
             for partition, group in by_partition(events).items():
                 # 1. fold
                 result, last = await self.fold(partition, group)
-                # 2. table writes (no await until the keys are marked in flight)
+                # 2. table writes (no await until the keys are marked in flight), with the
+                # alerts this partition kept unsent (a process that died before their ack)
                 written += [Carried(partition, w) for w in result.writes]
-                self.table.write(group, result.writes)
+                self.unsent.update((a.alert_id, a) for a in self.table.unsent(group))
+                self.table.write(group, result.writes, result.alerts)
                 self.unsent.update((a.alert_id, a) for a in result.alerts)
+                groups[partition] = group
                 keys = {w.key for w in result.writes}
                 self.in_flight.update(keys)
                 touched |= keys
@@ -243,7 +259,7 @@ class BatchCommit:
                 parts.append(Folded(partition, result, last))
             await self._redis(parts, touched)
             written = []  # in Redis now
-            await self._sends(parts)
+            await self._sends(parts, groups)
             if self.done is not None:
                 self.done(parts)
         except BaseException:
@@ -273,10 +289,11 @@ class BatchCommit:
             self.in_flight.difference_update(touched)
         self.marks.noted(reply)
 
-    async def _sends(self, parts: Sequence[Folded]) -> None:
+    async def _sends(self, parts: Sequence[Folded], groups: dict[int, Sequence[Any]]) -> None:
         """Step 5: keyed batches, dead letters, then every unsent alert (this batch's and
         those an earlier batch could not get acked); every ack awaited (nothing is lost
-        in a crash); then the marks step 4 held back."""
+        in a crash), the acked alerts no longer kept in the table; then the marks step 4
+        held back."""
         sent: list[Awaitable[Any]] = []
         for part in parts:
             sent += [await self.outbox.keyed(b) for b in part.result.remote]
@@ -286,6 +303,9 @@ class BatchCommit:
         await asyncio.gather(*sent)
         for alert in alerts:
             self.unsent.pop(alert.alert_id, None)
+        acked = [a.alert_id for a in alerts]
+        for group in groups.values():
+            self.table.sent(group, acked)
         if any(part.result.remote for part in parts):
             lasts = [part.last for part in parts]
             marks = self.marks.advance(lasts)

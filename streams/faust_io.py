@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +18,7 @@ from spendgate.streams.effects import KeyWrite, Refusal
 from spendgate.streams.gaps import applied_key, is_budget_key
 from spendgate.streams.remote import RemoteBatch
 from spendgate.streams.statecache import StateCache
+from spendgate.streams.unsent import decode_alerts, encode_alerts, unsent_key
 
 __all__ = ["FaustTable", "StreamAcks", "TopicOutbox", "current_event_of", "table_items"]
 
@@ -29,10 +30,13 @@ class FaustTable:
         self.table = table
         self.states = states
 
-    def write(self, events: Sequence[Any], writes: Sequence[KeyWrite]) -> None:
+    def write(
+        self, events: Sequence[Any], writes: Sequence[KeyWrite], alerts: Sequence[Alert] = ()
+    ) -> None:
         """Write one partition's changed keys, then the last offset they applied
         (``streams.gaps.applied_key``: after them in the same changelog partition, so a
-        table restored from it never holds a position ahead of its states); ``events``
+        table restored from it never holds a position ahead of its states), and the
+        ``alerts`` they raised beside those kept unsent (``streams.unsent``); ``events``
         are the faust events of that partition (faust writes to the changelog partition
         of the current event)."""
         last = events[-1].message
@@ -41,8 +45,31 @@ class FaustTable:
                 if w.changed:
                     self.table[w.key] = w.table_value()
             self.table[applied_key(last.topic, last.partition)] = str(last.offset).encode()
+            if alerts:
+                key = unsent_key(last.topic, last.partition)
+                kept = {a.alert_id: a for a in decode_alerts(self.table.get(key))}
+                kept.update((a.alert_id, a) for a in alerts)
+                self.table[key] = encode_alerts(kept.values())
         # The same step as the table write (no await between): as new as the table.
         self.states.put((w.key, w.state) for w in writes if w.changed)
+
+    def unsent(self, events: Sequence[Any]) -> list[Alert]:
+        """The alerts the partition of ``events`` keeps unsent (``streams.unsent``)."""
+        last = events[-1].message
+        return decode_alerts(self.table.get(unsent_key(last.topic, last.partition)))
+
+    def sent(self, events: Sequence[Any], alert_ids: Iterable[str]) -> None:
+        """Keep no more of ``alert_ids`` (acked) for the partition of ``events``."""
+        last = events[-1].message
+        key = unsent_key(last.topic, last.partition)
+        kept = decode_alerts(self.table.get(key))
+        if not kept:
+            return
+        acked = set(alert_ids)
+        left = [a for a in kept if a.alert_id not in acked]
+        if len(left) < len(kept):
+            with current_event_of(events[-1]):
+                self.table[key] = encode_alerts(left)
 
     def forget(self) -> None:
         """Drop the cached states (a batch failed: no half-folded state stays)."""

@@ -58,8 +58,10 @@ def applied_key(topic: str, partition: int) -> str:
 
 
 def is_budget_key(key: str) -> bool:
-    """Whether a table key is a budget key's state (not an applied position)."""
-    return not key.startswith(APPLIED_PREFIX)
+    """Whether a table key is a budget key's state, not one of the worker's own records (an
+    applied position, ``streams.unsent``'s alerts: their keys start with ``~``, which a
+    policy id never does)."""
+    return not key.startswith("~")
 
 
 def applied_offset(table: Any, topic: str, partition: int) -> int | None:

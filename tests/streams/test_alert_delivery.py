@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from spendgate.schemas.alerts import Alert
+from spendgate.streams.ledger import KeyState
 from tests.streams.test_commit import BATCH, MemoryOutbox, Recorder, Rig, event
 
 
@@ -69,3 +70,28 @@ class TestAlertsAtLeastOnce:
         await rig.commit.run([event(1, 8, "bolt")])
         assert len(outbox.acked) == 1
         assert rig.commit.unsent == {}
+
+    async def test_an_alert_unsent_when_the_process_died_is_sent_by_the_next_one(
+        self,
+    ) -> None:
+        rig, outbox = _rig()
+        outbox.fail_alerts = 1
+        with pytest.raises(ConnectionError):
+            await rig.commit.run(BATCH)  # the 50% alert raised, never acked
+        # The process dies here. Its table is restored (same values: the changelog), the
+        # batch is folded again (its records: redeliveries, no alert) by a new commit with
+        # nothing in memory; then the partition's next batch sends the kept alert once.
+        table = rig.table
+        rig, outbox = _rig()
+        rig.table = rig.commit.table = table
+        rig.fold.states = {
+            k: KeyState.from_bytes(v) for k, v in table.values.items() if not k.startswith("~")
+        }
+        await rig.commit.run(BATCH)
+        await rig.commit.run([event(0, 9, "acme")])
+        assert len(outbox.acked) == 1
+        assert [s for s in rig.rec.of("send") if s[1] == "alert"] == [
+            ("send", "alert", "ten|tenant=acme")
+        ]
+        # Acked: kept no more.
+        assert not any(table.unsent([e]) for e in BATCH)

@@ -27,6 +27,7 @@ from spendgate.streams.remote import RemoteBatch
 from spendgate.streams.rules import Rules
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 from spendgate.streams.settings import WorkerSettings
+from spendgate.streams.unsent import decode_alerts, encode_alerts, unsent_key
 
 BASE_MS = 1_800_000_000_000
 #: Grouped by tenant: applied in the usage record's own partition.
@@ -114,13 +115,29 @@ class MemoryTable:
         self.rec = rec
         self.values: dict[str, bytes] = {}
 
-    def write(self, events: Sequence[Any], writes: Sequence[KeyWrite]) -> None:
+    def write(
+        self, events: Sequence[Any], writes: Sequence[KeyWrite], alerts: Sequence[Alert] = ()
+    ) -> None:
         partition = events[-1].message.partition
         changed = sorted(w.key for w in writes if w.changed)
         self.rec.log.append(("table", partition, changed))
         for w in writes:
             if w.changed:
                 self.values[w.key] = w.table_value()
+        if alerts:
+            key = unsent_key("usage", partition)
+            kept = {a.alert_id: a for a in decode_alerts(self.values.get(key))}
+            kept.update((a.alert_id, a) for a in alerts)
+            self.values[key] = encode_alerts(kept.values())
+
+    def unsent(self, events: Sequence[Any]) -> list[Alert]:
+        return decode_alerts(self.values.get(unsent_key("usage", events[-1].message.partition)))
+
+    def sent(self, events: Sequence[Any], alert_ids: Iterable[str]) -> None:
+        key = unsent_key("usage", events[-1].message.partition)
+        acked = set(alert_ids)
+        left = [a for a in decode_alerts(self.values.get(key)) if a.alert_id not in acked]
+        self.values[key] = encode_alerts(left)
 
     def forget(self) -> None:
         self.rec.log.append(("forget",))
