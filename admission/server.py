@@ -23,7 +23,7 @@ from spendgate.admission.refusals import KafkaRefusals
 from spendgate.admission.settings import AdmissionSettings
 from spendgate.admission.store import BudgetStore
 from spendgate.admission.sweeper import ReserveSweeper
-from spendgate.schemas import redis_connect
+from spendgate.schemas import kafka_connect, redis_connect
 from spendgate.schemas.key_settings import announce
 from spendgate.schemas.prices import load_catalog
 from spendgate.schemas.redis_connect import layout_of
@@ -113,6 +113,7 @@ def build_app(settings: AdmissionSettings) -> FastAPI:
             # Wrong credentials or certificates stop the start with one line naming the
             # setting; an unreachable Redis does not (the failure modes answer for it).
             await redis_connect.check(client, redis_conn)
+            await kafka_connect.check(kafka, timeout_s=5.0)
             await warn_if_not_durable(client)
             # The sweeper stops first (nothing republished into a closing publisher); the
             # reserves acked while the publisher drains are unlisted after it.

@@ -16,6 +16,7 @@ from spendgate.dashboard.app import create_app
 from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.settings import DashboardSettings
+from spendgate.schemas import kafka_connect
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.redis_connect import async_client, check, layout_of
 from spendgate.schemas.refusals import Refusal
@@ -58,6 +59,7 @@ def build_app(settings: DashboardSettings) -> Starlette:
         try:
             # Wrong credentials or certificates: one line naming the setting, no page.
             await check(client, redis)
+            await kafka_connect.check(kafka, timeout_s=5.0)
             yield
         finally:
             for task in tasks:

@@ -59,7 +59,9 @@ __all__ = [
     "SecurityProtocol",
     "TopicReplication",
     "admin",
+    "check",
     "consumer",
+    "explain",
     "faust_app",
     "producer",
     "shortfalls",
@@ -351,3 +353,64 @@ def faust_app(kafka: KafkaConnection, app_id: str, **options: Any) -> faust.App:
         topic_replication_factor=kafka.replication_factor,
         **options,
     )
+
+
+def explain(exc: BaseException, kafka: KafkaConnection) -> ConfigurationError | None:
+    """The setting to fix when ``exc`` says the credentials or the certificates are wrong
+    (one line naming the variable, never the password); None for any other failure."""
+    import ssl
+
+    from aiokafka.errors import SaslAuthenticationFailed, UnsupportedSaslMechanismError
+
+    where = f"Kafka at {kafka.bootstrap}"
+    if isinstance(exc, SaslAuthenticationFailed):
+        return ConfigurationError(
+            f"{where} refused user {kafka.sasl_username!r} ({kafka.sasl_mechanism}): check "
+            f"{_ENV}SASL_USERNAME and {_ENV}SASL_PASSWORD or {_ENV}SASL_PASSWORD_FILE ({exc})"
+        )
+    if isinstance(exc, UnsupportedSaslMechanismError):
+        return ConfigurationError(
+            f"{where} does not accept {_ENV}SASL_MECHANISM={kafka.sasl_mechanism} ({exc})"
+        )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        reason = getattr(exc, "verify_message", None) or str(exc)
+        trusted = kafka.ssl_cafile or "the system's CAs: none set"
+        return ConfigurationError(
+            f"{where}: its certificate is not trusted by {_ENV}SSL_CAFILE ({trusted}): {reason}"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return ConfigurationError(
+            f"{where}: the TLS handshake failed; check {_ENV}SECURITY_PROTOCOL="
+            f"{kafka.security_protocol} and {_ENV}SSL_* ({exc})"
+        )
+    return None
+
+
+async def check(kafka: KafkaConnection, timeout_s: float = 10.0) -> bool:
+    """Open one connection to a bootstrap broker at start (TLS and SASL included): wrong
+    credentials or certificates stop the service with one line naming the setting; a
+    broker merely unreachable does not (a service that runs without Kafka goes on): False.
+
+    aiokafka's own clients log such a failure and raise only "Unable to bootstrap", so
+    the connection is made here, where its error can be told apart.
+
+    Raises:
+        ConfigurationError: from :func:`explain`.
+    """
+    import asyncio
+
+    from aiokafka.conn import create_conn
+
+    options = kafka.aiokafka_kwargs()
+    for server in kafka.bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            conn = await asyncio.wait_for(create_conn(host, int(port), **options), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - told apart below
+            error = explain(exc, kafka)
+            if error is not None:
+                raise error from None
+            continue
+        conn.close()
+        return True
+    return False

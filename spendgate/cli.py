@@ -517,13 +517,12 @@ def budgets(
     def render() -> Table:
         rows = asyncio.run(
             top_budgets(
-                settings.redis_url,
+                settings.redis(),
                 settings.redis_prefix,
                 top=top,
                 tenant=tenant,
                 policy=policy_id,
                 subject=pairs,
-                cluster=settings.redis_cluster,
             )
         )
         return budget_table(rows)

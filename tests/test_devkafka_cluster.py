@@ -30,9 +30,11 @@ from spendgate.devkafka import (
     make_ca,
 )
 from spendgate.schemas import kafka_connect
+from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.kafka_connect import KafkaConnection, KafkaSettings
 from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.topics import describe_replication, ensure_topics
+from spendgate.streams.worker import check_connections
 
 pytestmark = pytest.mark.integration
 
@@ -222,6 +224,33 @@ class TestSaslSsl:
         values = [f"v{i}".encode() for i in range(20)]
         await _produce(kafka, topic, values)
         assert await _consume(kafka, topic, len(values), timeout_s=30) == values
+
+    async def test_a_service_s_start_check_names_the_setting_to_fix(
+        self, sasl_cluster: LocalKafkaCluster, tmp_path: Path
+    ) -> None:
+        # What `spendgate worker`, admission and the dashboard run at start
+        # (kafka_connect.check): one line naming the variable, never the password.
+        assert await kafka_connect.check(sasl_cluster.connection())
+        wrong = sasl_cluster.connection(sasl_password=SecretStr("not-the-password"))
+        with pytest.raises(ConfigurationError) as refused:
+            await kafka_connect.check(wrong)
+        assert "SPENDGATE_KAFKA_SASL_PASSWORD" in str(refused.value)
+        assert "not-the-password" not in str(refused.value)
+        make_ca(tmp_path / "other.key", tmp_path / "other.pem", "another CA")
+        untrusted = sasl_cluster.connection(ssl_cafile=tmp_path / "other.pem")
+        with pytest.raises(ConfigurationError, match="SPENDGATE_KAFKA_SSL_CAFILE"):
+            await kafka_connect.check(untrusted)
+        # The worker's start check runs it before anything else.
+        settings = WorkerSettings(
+            kafka_bootstrap=wrong.bootstrap,
+            kafka_security_protocol="SASL_SSL",
+            kafka_sasl_mechanism="SCRAM-SHA-512",
+            kafka_sasl_username=wrong.sasl_username,
+            kafka_sasl_password=SecretStr("not-the-password"),
+            kafka_ssl_cafile=sasl_cluster.ca_file,
+        )
+        with pytest.raises(ConfigurationError, match="SPENDGATE_KAFKA_SASL_PASSWORD"):
+            await check_connections(settings)
 
     async def test_a_wrong_password_fails_authentication(
         self, sasl_cluster: LocalKafkaCluster, caplog: pytest.LogCaptureFixture

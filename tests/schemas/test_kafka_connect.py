@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import logging
 import shutil
+import socket
 import ssl
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from aiokafka.errors import KafkaError
 from faust.auth import SASLCredentials, SSLCredentials
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
+from pydantic import SecretStr
 
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.exceptions import ConfigurationError
@@ -369,3 +371,40 @@ class TestOneWayToBuildAClient:
             "aiokafka.admin.AIOKafkaAdminClient",
             "faust.App",
         }
+
+
+class TestStartCheck:
+    """``kafka_connect.check``/``explain``: which failures name a setting (against real
+    brokers: ``tests/test_devkafka_cluster.py``)."""
+
+    def test_refused_credentials_name_the_user_and_password_settings(self) -> None:
+        from aiokafka.errors import SaslAuthenticationFailed
+
+        kafka = KafkaConnection(
+            bootstrap="b:9093",
+            security_protocol="SASL_SSL",
+            sasl_mechanism="SCRAM-SHA-512",
+            sasl_username="svc",
+            sasl_password=SecretStr("hunter2"),
+        )
+        error = kafka_connect.explain(SaslAuthenticationFailed("invalid credentials"), kafka)
+        assert error is not None
+        text = str(error)
+        assert "SPENDGATE_KAFKA_SASL_USERNAME" in text and "SASL_PASSWORD_FILE" in text
+        assert "hunter2" not in text
+
+    def test_an_untrusted_certificate_names_the_ca_setting(self) -> None:
+        import ssl
+
+        exc = ssl.SSLCertVerificationError(1, "certificate verify failed")
+        error = kafka_connect.explain(exc, KafkaConnection(security_protocol="SSL"))
+        assert error is not None and "SPENDGATE_KAFKA_SSL_CAFILE" in str(error)
+
+    def test_anything_else_names_nothing(self) -> None:
+        assert kafka_connect.explain(ConnectionRefusedError(), KafkaConnection()) is None
+
+    async def test_an_unreachable_broker_is_not_an_error(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        assert await kafka_connect.check(KafkaConnection(bootstrap=f"127.0.0.1:{port}")) is False
