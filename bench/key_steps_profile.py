@@ -55,6 +55,7 @@ local xs, out = {}, {}
 local t0 = us()
 for i = 1, N do
   xs[i] = {wkey = KEYS[1], pwkey = KEYS[2], pvkey = KEYS[3], pqkey = KEYS[4], prkey = KEYS[5],
+    pekey = KEYS[6],
     limit = tonumber(A[1]), window = tonumber(A[2]), bucket = tonumber(A[3]), boundary = A[4],
     amount = tonumber(A[5]), ttl = tonumber(A[6]), observe = A[7] == '1',
     on_exceed = tonumber(A[8]), alt = tonumber(A[9]), cap_s = tonumber(A[10]),
@@ -115,8 +116,8 @@ def profile(client: redis.Redis, window: str, pending: bool, repeat: int) -> dic
             # Every step reads the same state: the holds of a run go before the next one.
             client.delete(*keys[1:])
             if pending:  # reservations held in the newest bucket, not absorbed
-                client.eval(source, 5, *keys, now, window_ms, bucket_ms, 20)
-            got = client.eval(source, 5, *keys, now, window_ms, bucket_ms, repeat)
+                client.eval(source, len(keys), *keys, now, window_ms, bucket_ms, 20)
+            got = client.eval(source, len(keys), *keys, now, window_ms, bucket_ms, repeat)
             for step, total in zip(STEPS, got, strict=True):
                 value = total / repeat
                 best[step] = min(best.get(step, value), value)
