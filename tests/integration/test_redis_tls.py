@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import shutil
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,131 +26,31 @@ from spendgate.schemas.policies import Policy
 from spendgate.schemas.redis_connect import RedisConnection, RedisSettings
 from spendgate.streams.materialize import RedisMaterializer
 from tests.fixtures.admission import (
-    REDIS_SERVER,
     TOPOLOGY,
     VOUCHED,
     Admission,
     RecordingPublisher,
     free_port,
 )
+from tests.fixtures.tls_redis import (
+    USER,
+    Pki,
+    Servers,
+    make_pki,
+    redis_settings,
+    server_args,
+)
 
 pytestmark = pytest.mark.integration
 
-USER, PASSWORD = "spendgate", "tls-acl-pa55word"
 POLICY = Policy.model_validate(
     {"id": "per-tenant", "limit": 2, "unit": "requests", "window": "1h", "group_by": ["tenant"]}
 )
 
 
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    #: A CA that signed nothing here: trusting it alone, the server is untrusted.
-    other_ca: Path
-    password_file: Path
-    wrong_password_file: Path
-    acl_file: Path
-
-
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
-def _ca(folder: Path, name: str) -> tuple[Path, Path]:
-    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
-    _openssl("req", "-x509", "-new", "-nodes", "-newkey", "ec", "-pkeyopt",
-             "ec_paramgen_curve:prime256v1", "-keyout", str(key), "-out", str(cert),
-             "-days", "1", "-subj", f"/CN=spendgate test {name}")  # fmt: skip
-    return cert, key
-
-
-def _signed(folder: Path, name: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
-    cert, key, csr = folder / f"{name}.pem", folder / f"{name}.key", folder / f"{name}.csr"
-    ext = folder / f"{name}.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("req", "-new", "-nodes", "-newkey", "ec", "-pkeyopt",
-             "ec_paramgen_curve:prime256v1", "-keyout", str(key), "-out", str(csr),
-             "-subj", f"/CN={name}")  # fmt: skip
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
-             "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext))  # fmt: skip
-    return cert, key
-
-
-def _private(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    if shutil.which("openssl") is None or not Path(REDIS_SERVER).exists():
-        pytest.skip("openssl and redis-server are needed")
-    folder = tmp_path_factory.mktemp("pki")
-    ca = _ca(folder, "ca")
-    server, client = _signed(folder, "server", ca), _signed(folder, "client", ca)
-    acl = folder / "users.acl"
-    acl.write_text(f"user default off\nuser {USER} on >{PASSWORD} ~* &* +@all\n")
-    return Pki(
-        ca=ca[0],
-        server_cert=server[0],
-        server_key=server[1],
-        client_cert=client[0],
-        client_key=client[1],
-        other_ca=_ca(folder, "other-ca")[0],
-        password_file=_private(folder / "password", PASSWORD + "\n"),
-        wrong_password_file=_private(folder / "wrong-password", "not-it\n"),
-        acl_file=acl,
-    )
-
-
-def _server_args(pki: Pki, port: int) -> list[str]:
-    return [
-        REDIS_SERVER,
-        "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-        "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
-        "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", "yes",
-        "--aclfile", str(pki.acl_file),
-        "--save", "", "--appendonly", "no",
-    ]  # fmt: skip
-
-
-def _listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        assert proc.poll() is None, f"redis-server exited: {log.read_text()[-2000:]}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert time.monotonic() < deadline, f"redis-server not listening: {log.read_text()}"
-        time.sleep(0.02)
-
-
-class Servers:
-    """redis-server processes of this test's own, each stopped at the end."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str], port: int, name: str) -> None:
-        folder = self.folder / name
-        folder.mkdir()
-        log = folder / "redis.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([*args, "--dir", str(folder)], stdout=out, stderr=out)
-        self.procs.append(proc)
-        _listening(port, proc, log)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(timeout=10)
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture
@@ -170,20 +66,8 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
 def tls_redis(pki: Pki, servers: Servers) -> int:
     """The TLS port of one redis-server: client certificates required, ACL user only."""
     port = free_port()
-    servers.start(_server_args(pki, port), port, "one")
+    servers.start(server_args(pki, port), port, "one")
     return port
-
-
-def _settings(pki: Pki, port: int, **overrides: Any) -> dict[str, Any]:
-    return {
-        "redis_url": f"rediss://127.0.0.1:{port}/0",
-        "redis_username": USER,
-        "redis_password_file": str(pki.password_file),
-        "redis_ssl_cafile": str(pki.ca),
-        "redis_ssl_certfile": str(pki.client_cert),
-        "redis_ssl_keyfile": str(pki.client_key),
-        **overrides,
-    }
 
 
 async def _refused(conn: RedisConnection) -> str:
@@ -212,7 +96,7 @@ class TestOneRedis:
     ) -> None:
         prefix = f"tls{uuid.uuid4().hex[:8]}:"
         settings = AdmissionSettings(
-            **_settings(pki, tls_redis),
+            **redis_settings(pki, tls_redis),
             redis_prefix=prefix,
             redis_timeout_s=5.0,
             redis_down_s=0.0,
@@ -246,7 +130,7 @@ class TestOneRedis:
         self, pki: Pki, tls_redis: int
     ) -> None:
         conn = RedisSettings(
-            **_settings(pki, tls_redis, redis_password_file=str(pki.wrong_password_file))
+            **redis_settings(pki, tls_redis, redis_password_file=str(pki.wrong_password_file))
         ).redis()
         message = await _refused(conn)
         assert message.startswith(f"Redis at rediss://{USER}:***@127.0.0.1:{tls_redis}/0 ")
@@ -258,7 +142,7 @@ class TestOneRedis:
         self, pki: Pki, tls_redis: int
     ) -> None:
         conn = RedisSettings(
-            **_settings(pki, tls_redis, redis_ssl_cafile=str(pki.other_ca))
+            **redis_settings(pki, tls_redis, redis_ssl_cafile=str(pki.other_ca))
         ).redis()
         message = await _refused(conn)
         assert f"not trusted by SPENDGATE_REDIS_SSL_CAFILE ({pki.other_ca})" in message
@@ -269,7 +153,7 @@ class TestOneRedis:
         self, pki: Pki, tls_redis: int
     ) -> None:
         conn = RedisSettings(
-            **_settings(pki, tls_redis, redis_ssl_certfile=None, redis_ssl_keyfile=None)
+            **redis_settings(pki, tls_redis, redis_ssl_certfile=None, redis_ssl_keyfile=None)
         ).redis()
         message = await _refused(conn)
         assert "SPENDGATE_REDIS_SSL_CERTFILE and SPENDGATE_REDIS_SSL_KEYFILE" in message
@@ -296,9 +180,9 @@ def _cluster(pki: Pki, servers: Servers) -> list[int]:
     for i, (port, bus) in enumerate(zip(ports, buses, strict=True)):
         cluster = ["--cluster-enabled", "yes", "--cluster-port", str(bus),
                    "--tls-cluster", "yes", "--cluster-config-file", "nodes.conf"]  # fmt: skip
-        args = [*_server_args(pki, port), *cluster]
+        args = [*server_args(pki, port), *cluster]
         servers.start(args, port, f"node{i}")
-    nodes = [RedisSettings(**_settings(pki, port)).redis() for port in ports]
+    nodes = [RedisSettings(**redis_settings(pki, port)).redis() for port in ports]
     clients = [redis_connect.client(node) for node in nodes]
     try:
         for client, (first, last) in zip(clients, SLOTS, strict=True):
@@ -326,7 +210,7 @@ class TestCluster:
     ) -> None:
         prefix = f"tls{uuid.uuid4().hex[:8]}:"
         settings = AdmissionSettings(
-            **_settings(pki, tls_cluster[1]),
+            **redis_settings(pki, tls_cluster[1]),
             redis_cluster=True,
             redis_wait_replicas=0,  # masters only
             redis_prefix=prefix,
@@ -365,7 +249,9 @@ class TestCluster:
     async def test_a_wrong_password_on_a_cluster_names_the_password_settings(
         self, pki: Pki, tls_cluster: list[int]
     ) -> None:
-        wrong = _settings(pki, tls_cluster[0], redis_password_file=str(pki.wrong_password_file))
+        wrong = redis_settings(
+            pki, tls_cluster[0], redis_password_file=str(pki.wrong_password_file)
+        )
         message = await _refused(RedisSettings(**wrong, redis_cluster=True).redis())
         assert "SPENDGATE_REDIS_PASSWORD or SPENDGATE_REDIS_PASSWORD_FILE" in message
 
@@ -373,6 +259,6 @@ class TestCluster:
     async def test_an_untrusted_certificate_on_a_cluster_names_the_ca_setting(
         self, pki: Pki, tls_cluster: list[int]
     ) -> None:
-        other = _settings(pki, tls_cluster[2], redis_ssl_cafile=str(pki.other_ca))
+        other = redis_settings(pki, tls_cluster[2], redis_ssl_cafile=str(pki.other_ca))
         message = await _refused(RedisSettings(**other, redis_cluster=True).redis())
         assert "not trusted by SPENDGATE_REDIS_SSL_CAFILE" in message
