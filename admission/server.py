@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from spendgate.admission.settings import AdmissionSettings
 from spendgate.admission.store import BudgetStore
 from spendgate.admission.sweeper import ReserveSweeper
 from spendgate.schemas import kafka_connect, redis_connect
+from spendgate.schemas.connections import check_connections
 from spendgate.schemas.key_settings import announce
 from spendgate.schemas.prices import load_catalog
 from spendgate.schemas.redis_connect import layout_of
@@ -166,6 +168,9 @@ def serve(settings: AdmissionSettings, workers: int = 1) -> None:
     check_exposure(
         "admission", host, port, settings.auth_tokens_file, settings.allow_unauthenticated
     )
+    # Wrong credentials stop here with one line; the app's start checks again (it may be
+    # built without this function).
+    asyncio.run(check_connections(settings.kafka(), settings.redis()))
     if workers > 1:
         uvicorn.run(
             "spendgate.admission.server:app_from_env",

@@ -18,6 +18,7 @@ from spendgate.dashboard.reader import BudgetReader
 from spendgate.dashboard.settings import DashboardSettings
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.alerts import Alert
+from spendgate.schemas.connections import check_connections
 from spendgate.schemas.redis_connect import async_client, check, layout_of
 from spendgate.schemas.refusals import Refusal
 
@@ -92,6 +93,8 @@ def serve(settings: DashboardSettings) -> None:
         settings.auth_tokens_file,
         settings.allow_unauthenticated,
     )
+    # Wrong credentials stop here with one line (the app's start checks again).
+    asyncio.run(check_connections(settings.kafka(), settings.redis()))
     logger.info("dashboard on http://%s:%d/", settings.dashboard_host, settings.dashboard_port)
     uvicorn.run(
         build_app(settings),

@@ -9,7 +9,7 @@ import signal
 
 from faust.worker import Worker
 
-from spendgate.schemas import kafka_connect, redis_connect
+from spendgate.schemas.connections import check_connections
 from spendgate.schemas.key_settings import announce
 from spendgate.streams.app import build_app
 from spendgate.streams.health import WorkerHealth
@@ -29,29 +29,12 @@ def _dump_tasks(signum: int, frame: object) -> None:
         logger.warning("task %s:\n%s", task.get_name(), out.getvalue())
 
 
-async def check_connections(settings: WorkerSettings) -> None:
-    """Wrong credentials or certificates for Kafka or Redis stop the start with one line
-    naming the setting (``kafka_connect.check``, ``redis_connect.check``); a service merely
-    unreachable is left to the steps that follow (they wait, retry or fail on their own).
-
-    Raises:
-        ConfigurationError: naming the setting to fix.
-    """
-    await kafka_connect.check(settings.kafka())
-    redis = settings.redis()
-    client = redis_connect.async_client(redis)
-    try:
-        await redis_connect.check(client, redis)
-    finally:
-        await client.aclose()
-
-
 def run_worker(settings: WorkerSettings) -> None:
     """Check the credentials, create missing topics, serve ``/metrics``, ``/healthz`` and
     ``/readyz``, and run the faust worker until stopped."""
     key_ids = settings.key_ids()
     announce(key_ids, logger)
-    asyncio.run(check_connections(settings))
+    asyncio.run(check_connections(settings.kafka(), settings.redis()))
     kafka = settings.kafka()
     asyncio.run(ensure_topics(settings))
     policies = asyncio.run(read_policies(kafka, settings.topic("policies"), key_ids=key_ids))

@@ -30,11 +30,11 @@ from spendgate.devkafka import (
     make_ca,
 )
 from spendgate.schemas import kafka_connect
+from spendgate.schemas.connections import check_connections
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.kafka_connect import KafkaConnection, KafkaSettings
 from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.topics import describe_replication, ensure_topics
-from spendgate.streams.worker import check_connections
 
 pytestmark = pytest.mark.integration
 
@@ -250,7 +250,7 @@ class TestSaslSsl:
             kafka_ssl_cafile=sasl_cluster.ca_file,
         )
         with pytest.raises(ConfigurationError, match="SPENDGATE_KAFKA_SASL_PASSWORD"):
-            await check_connections(settings)
+            await check_connections(settings.kafka(), settings.redis())
 
     async def test_a_wrong_password_fails_authentication(
         self, sasl_cluster: LocalKafkaCluster, caplog: pytest.LogCaptureFixture
