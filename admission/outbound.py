@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ __all__ = ["BoundedProducer", "start_producer"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: At most one "buffer is full" warning per producer in this many seconds.
+FULL_LOG_EVERY_S = 10.0
 
 
 async def start_producer(
@@ -113,6 +116,7 @@ class BoundedProducer(Generic[T]):
         self._flushes: list[_Flush] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._full_logged = -FULL_LOG_EVERY_S
 
     @property
     def depth(self) -> int:
@@ -120,8 +124,22 @@ class BoundedProducer(Generic[T]):
         return len(self._queue) + len(self._inflight)
 
     def has_room(self) -> bool:
-        """Whether one more item fits in the buffer."""
-        return self.depth < self.capacity
+        """Whether one more item fits in the buffer; when it does not, a warning says so
+        (at most one per ``FULL_LOG_EVERY_S``): what is refused or admitted for it is
+        counted by the caller, and this line says why."""
+        if self.depth < self.capacity:
+            return True
+        now = time.monotonic()
+        if now - self._full_logged >= FULL_LOG_EVERY_S:
+            self._full_logged = now
+            logger.warning(
+                "%s: the buffer is full (%d events not acked by Kafka, connected=%s); "
+                "requests are answered by their policy's failure mode until Kafka acks again",
+                self.what,
+                self.depth,
+                self.connected,
+            )
+        return False
 
     def _accept(self, item: T) -> bool:
         """Queue ``item`` and wake the sender; False (nothing queued) when full."""

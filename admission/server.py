@@ -168,8 +168,10 @@ def serve(settings: AdmissionSettings, workers: int = 1) -> None:
     check_exposure(
         "admission", host, port, settings.auth_tokens_file, settings.allow_unauthenticated
     )
-    # Wrong credentials stop here with one line; the app's start checks again (it may be
-    # built without this function).
+    # The operator's files first (tokens, secrets, prices: refused before anything is
+    # reached), then wrong credentials stop here with one line; the app's start checks
+    # again (it may be built without this function). Building the app connects nothing.
+    app = build_app(settings)
     asyncio.run(check_connections(settings.kafka(), settings.redis()))
     if workers > 1:
         uvicorn.run(
@@ -181,4 +183,4 @@ def serve(settings: AdmissionSettings, workers: int = 1) -> None:
             **options,
         )
     else:
-        uvicorn.run(build_app(settings), host=host, port=port, **options)
+        uvicorn.run(app, host=host, port=port, **options)

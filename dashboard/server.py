@@ -93,11 +93,13 @@ def serve(settings: DashboardSettings) -> None:
         settings.auth_tokens_file,
         settings.allow_unauthenticated,
     )
-    # Wrong credentials stop here with one line (the app's start checks again).
+    # The operator's files first (refused before anything is reached), then wrong
+    # credentials stop here with one line (the app's start checks again).
+    app = build_app(settings)
     asyncio.run(check_connections(settings.kafka(), settings.redis()))
     logger.info("dashboard on http://%s:%d/", settings.dashboard_host, settings.dashboard_port)
     uvicorn.run(
-        build_app(settings),
+        app,
         host=settings.dashboard_host,
         port=settings.dashboard_port,
         log_level="warning",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import pytest
 from aiokafka import AIOKafkaProducer
 
 from spendgate.admission.outbound import BoundedProducer
@@ -183,3 +185,17 @@ class TestFlush:
         out.ack("b")
         await asyncio.wait_for(closing, 1.0)
         assert out.depth == 0 and out.stub.stopped
+
+
+class TestFullBufferSaysWhy:
+    def test_a_full_buffer_is_one_warning_per_interval(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        producer = Recording(capacity=1)
+        assert producer.has_room() and producer._accept("a")
+        with caplog.at_level(logging.WARNING, "spendgate.admission.outbound"):
+            assert not producer.has_room()
+            assert not producer.has_room()
+        lines = [r.getMessage() for r in caplog.records if "buffer is full" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "test producer" in lines[0] and "1 events not acked" in lines[0]

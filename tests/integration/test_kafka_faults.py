@@ -613,7 +613,9 @@ class TestKafkaFaults:
         for mode in ("open", "degraded"):
             assert during[mode][(200, "")] > 0, during[mode]
         assert after["refused"] > 0 and after["admitted"] > 0, after
-        # Why: spendgate's own line names the full buffer; aiokafka's name the brokers.
+        # Why: spendgate's own lines name the full buffer (the refusals of closed policies
+        # included, once per 10 s); aiokafka's name the brokers.
+        assert "the buffer is full" in logs and "failure mode" in logs
         assert "publish buffer full" in logs
         assert "NotEnoughReplicas" in logs or "NodeNotReadyError" in logs
         assert all(f["lost_units"] == 0 for f in figures.values())
