@@ -70,9 +70,9 @@ def pending_reservations_key(prefix: str, key: str) -> str:
 
 
 def pending_expiry_key(prefix: str, key: str) -> str:
-    """List of the version-2 holds not yet absorbed, oldest first: ``"<due ms>:<entry
-    name>"``, the due instant being the hold's instant plus its policy's
-    ``reservation_ttl`` (Redis clock). Pushed by every version-2 hold; the admit and
+    """List of the holds not yet absorbed, oldest first: ``"<due ms>:<pending window
+    version>:<entry name>"``, the due instant being the hold's instant plus its policy's
+    ``reservation_ttl`` (Redis clock). Pushed by every hold; the admit and
     extend scripts pop absorbed holds from its head, and expire due ones that are still
     pending (their entry goes, their amount stays counted until the worker's windows hold
     it: ``admission/scripts/key_steps.lua``, "Expiry"). So a key holds at most one

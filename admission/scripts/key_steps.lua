@@ -28,7 +28,7 @@
 --     when amount > 0, hold it in the pending window in the bucket of now under the
 --     pending entry named entry: the version-2 window when the absorbed window is a
 --     version-2 value (its worker absorbs version 2), else version 1; every key it writes
---     lives window + bucket past the last write. A version-2 hold is also queued for expiry
+--     lives window + bucket past the last write. Every hold is also queued for expiry
 --     (x.pekey, due x.ttl ms after now); every EXPIRY_EVERY holds queued, up to EXPIRY_STEP
 --     due or absorbed holds leave the head of that queue (see "Expiry" below).
 --
@@ -41,11 +41,12 @@
 -- that left the window leave from its head (their amounts from the sum), the newest
 -- bucket is at its tail.
 --
--- Expiry (the worker is down or behind: nobody absorbs): every version-2 hold is queued in
--- x.pekey as "<due ms>:<entry name>", in hold order. A hold still pending at its due time
--- (its reservation_ttl) is expired by admission itself: its entry goes, its amount stays in
--- its bucket (the design's abandoned reservation: charged in full) and is noted under
--- 'x:' + field, with 'xt' the Redis clock of the latest expiry. The worker absorbs such a
+-- Expiry (the worker is down or behind: nobody absorbs): every hold is queued in x.pekey as
+-- "<due ms>:<pending window version>:<entry name>", in hold order. A hold still pending at
+-- its due time (its reservation_ttl) is expired by admission itself: its entry goes, its
+-- amount stays in its bucket (the design's abandoned reservation: charged in full) and is
+-- noted under 'x:' + field in the same pending window (version 1 or 2), with 'xt' the Redis
+-- clock of the latest expiry. The worker absorbs such a
 -- reservation when it comes back (it charges it in its windows; with no entry, ABSORB moves
 -- nothing), so once the key's marks vouch for every record appended up to 'xt' (plus
 -- EXPIRED_MARGIN_MS for the broker's clock), every expired amount is in the absorbed window
