@@ -69,7 +69,7 @@ from tests.fixtures.load_stack import (
 )
 from tests.fixtures.services import _unavailable
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 #: Clients on 30400-30402, controllers on 30500-30502: below the ephemeral range and apart
 #: from tests/test_devkafka_cluster.py's clusters (29400-29502, 29700-29902).
@@ -392,7 +392,7 @@ async def _verify(load: Load, name: str, pid: int | None) -> dict[str, Any]:
     assert not load.wrong, load.wrong[:10]
     converge_error = ""
     try:
-        await load.converged(name, timeout_s=45)
+        await load.converged(name, timeout_s=90)
     except AssertionError as exc:
         converge_error = str(exc)
     client = stack.client()
@@ -473,7 +473,7 @@ class TestKafkaFaults:
                     _signal(ks, followers, signal.SIGCONT)
                 moved = await _led_elsewhere(ks, {victim}, 30)
                 restart = asyncio.create_task(_restart(ks))
-                back = await _settled_again(load, killed, 45)
+                back = await _settled_again(load, killed, 90)
             restart_s = await restart
             figures = await _verify(load, "leader kill", pid)
         await _whole(ks, 60)
@@ -508,7 +508,7 @@ class TestKafkaFaults:
                 finally:
                     _signal(ks, [victim], signal.SIGCONT)
                 resumed = time.monotonic()
-                back = await _settled_again(load, paused, 45)
+                back = await _settled_again(load, paused, 90)
             figures = await _verify(load, "broker paused", pid)
         await _whole(ks, 60)
         print(
@@ -579,8 +579,10 @@ class TestKafkaFaults:
                 restarting = time.monotonic()
                 restart_s = await _restart(ks)
                 returned = time.monotonic()
+                # Within 0-3.3 s on an idle machine; under the suite's load the restarted
+                # brokers take much longer to rejoin the in-sync replicas.
                 backs = {
-                    mode: await _settled_again(load, returned, 60) for mode, load in loads.items()
+                    mode: await _settled_again(load, returned, 150) for mode, load in loads.items()
                 }
             during = {
                 mode: Counter(
