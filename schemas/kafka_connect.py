@@ -23,7 +23,6 @@ only the client factories read the values.
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spendgate.schemas.exceptions import ConfigurationError
-from spendgate.schemas.key_settings import read_private_file
+from spendgate.schemas.key_settings import readable_files, secret_or_file, settings_error
 from spendgate.schemas.types import Switch
 
 if TYPE_CHECKING:
@@ -160,12 +159,8 @@ class KafkaConnection(BaseModel):
         Raises:
             ConfigurationError: naming the variable and the file.
         """
-        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-            path: Path | None = getattr(self, name)
-            if path is None:
-                continue
-            if not path.is_file() or not os.access(path, os.R_OK):
-                raise ConfigurationError(f"{_ENV}{name.upper()}={path}: no such readable file")
+        names = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+        readable_files((f"{_ENV}{name.upper()}", getattr(self, name)) for name in names)
         return self
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -257,35 +252,26 @@ class KafkaSettings(BaseSettings):
                 security_protocol=self.kafka_security_protocol,
                 sasl_mechanism=self.kafka_sasl_mechanism,
                 sasl_username=self.kafka_sasl_username,
-                sasl_password=_secret(
-                    self.kafka_sasl_password, self.kafka_sasl_password_file, "SASL_PASSWORD"
+                sasl_password=secret_or_file(
+                    self.kafka_sasl_password,
+                    self.kafka_sasl_password_file,
+                    f"{_ENV}SASL_PASSWORD",
                 ),
                 ssl_cafile=self.kafka_ssl_cafile,
                 ssl_certfile=self.kafka_ssl_certfile,
                 ssl_keyfile=self.kafka_ssl_keyfile,
-                ssl_key_password=_secret(
+                ssl_key_password=secret_or_file(
                     self.kafka_ssl_key_password,
                     self.kafka_ssl_key_password_file,
-                    "SSL_KEY_PASSWORD",
+                    f"{_ENV}SSL_KEY_PASSWORD",
                 ),
                 replication_factor=self.kafka_replication_factor,
                 min_insync_replicas=self.kafka_min_insync_replicas,
                 allow_under_replicated=self.kafka_allow_under_replicated,
             )
         except ValidationError as exc:
-            raise ConfigurationError(
-                "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-            ) from None
+            raise settings_error(exc) from None
         return connection.check_files()
-
-
-def _secret(value: SecretStr | None, path: Path | None, name: str) -> SecretStr | None:
-    if value is not None and path is not None:
-        raise ConfigurationError(f"set {_ENV}{name} or {_ENV}{name}_FILE, not both")
-    if path is None:
-        return value
-    what = f"the file of {_ENV}{name}"
-    return SecretStr(read_private_file(path, what).decode().strip())
 
 
 @dataclass(frozen=True, slots=True)

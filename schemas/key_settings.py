@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.key_ids import KeyIds, secret_fields
 
-__all__ = ["MIN_SECRET_BYTES", "SubjectSecretSettings", "announce", "read_private_file"]
+__all__ = [
+    "MIN_SECRET_BYTES",
+    "SubjectSecretSettings",
+    "announce",
+    "read_private_file",
+    "readable_files",
+    "secret_or_file",
+    "settings_error",
+]
 
 #: The shortest subject secret taken: a short one could be guessed from a known key's id.
 MIN_SECRET_BYTES = 16
@@ -39,6 +49,39 @@ def read_private_file(path: Path, what: str) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise ConfigurationError(f"{path}: cannot read {what}: {exc.strerror}") from exc
+
+
+def secret_or_file(value: SecretStr | None, path: Path | None, variable: str) -> SecretStr | None:
+    r"""A secret given in ``variable`` or in the file of ``variable``\ ``_FILE`` (mode 600,
+    surrounding whitespace ignored); None for neither.
+
+    Raises:
+        ConfigurationError: both are set, or the file is unreadable or shared.
+    """
+    if value is not None and path is not None:
+        raise ConfigurationError(f"set {variable} or {variable}_FILE, not both")
+    if path is None:
+        return value
+    return SecretStr(read_private_file(path, f"the file of {variable}").decode().strip())
+
+
+def readable_files(files: Iterable[tuple[str, Path | None]]) -> None:
+    """Refuse, naming the variable, any of ``files`` (variable, path: None for unset) that
+    is missing or unreadable: before any client tries it.
+
+    Raises:
+        ConfigurationError: naming the variable and the file.
+    """
+    for variable, path in files:
+        if path is not None and (not path.is_file() or not os.access(path, os.R_OK)):
+            raise ConfigurationError(f"{variable}={path}: no such readable file")
+
+
+def settings_error(exc: ValidationError) -> ConfigurationError:
+    """One line of every message of a model's validation (the variables they name)."""
+    return ConfigurationError(
+        "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+    )
 
 
 class SubjectSecretSettings(BaseSettings):

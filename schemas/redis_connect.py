@@ -23,7 +23,6 @@ refused. The password is a :class:`~pydantic.SecretStr`: its ``repr`` and ``str`
 
 from __future__ import annotations
 
-import os
 import ssl
 from pathlib import Path
 from typing import Any, Self
@@ -44,7 +43,7 @@ from redis.exceptions import (
 )
 
 from spendgate.schemas.exceptions import ConfigurationError
-from spendgate.schemas.key_settings import read_private_file
+from spendgate.schemas.key_settings import readable_files, secret_or_file, settings_error
 from spendgate.schemas.layout import Layout
 from spendgate.schemas.types import Switch
 
@@ -155,12 +154,8 @@ class RedisConnection(BaseModel):
         Raises:
             ConfigurationError: naming the variable and the file.
         """
-        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-            path: Path | None = getattr(self, name)
-            if path is None:
-                continue
-            if not path.is_file() or not os.access(path, os.R_OK):
-                raise ConfigurationError(f"{_ENV}{name.upper()}={path}: no such readable file")
+        names = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+        readable_files((f"{_ENV}{name.upper()}", getattr(self, name)) for name in names)
         return self
 
     def redacted(self) -> str:
@@ -220,13 +215,7 @@ class RedisSettings(BaseSettings):
             ConfigurationError: a bad combination, both a password and its file, an
                 unreadable or shared password file, or a missing TLS file.
         """
-        if self.redis_password is not None and self.redis_password_file is not None:
-            raise ConfigurationError(f"set {_ENV}PASSWORD or {_ENV}PASSWORD_FILE, not both")
-        password = self.redis_password
-        if self.redis_password_file is not None:
-            what = f"the file of {_ENV}PASSWORD"
-            text = read_private_file(self.redis_password_file, what).decode().strip()
-            password = SecretStr(text)
+        password = secret_or_file(self.redis_password, self.redis_password_file, f"{_ENV}PASSWORD")
         try:
             connection = RedisConnection(
                 url=self.redis_url,
@@ -239,9 +228,7 @@ class RedisSettings(BaseSettings):
                 ssl_check_hostname=self.redis_ssl_check_hostname,
             )
         except ValidationError as exc:
-            raise ConfigurationError(
-                "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-            ) from None
+            raise settings_error(exc) from None
         return connection.check_files()
 
 

@@ -35,6 +35,7 @@ from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.kafka_connect import KafkaConnection, KafkaSettings
 from spendgate.streams.settings import WorkerSettings
 from spendgate.streams.topics import describe_replication, ensure_topics
+from tests.fixtures.services import say
 
 pytestmark = pytest.mark.integration
 
@@ -58,21 +59,12 @@ def _cluster(
     started = time.monotonic()
     try:
         kafka.up()
-        _say(config, f"3-broker {security} cluster up in {time.monotonic() - started:.1f} s")
+        say(config, f"3-broker {security} cluster up in {time.monotonic() - started:.1f} s")
         yield kafka
     finally:
         stopping = time.monotonic()
         kafka.down()
-        _say(config, f"3-broker {security} cluster down in {time.monotonic() - stopping:.1f} s")
-
-
-def _say(config: pytest.Config, line: str) -> None:
-    """A line in the test report, shown without ``-s``."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(line)
+        say(config, f"3-broker {security} cluster down in {time.monotonic() - stopping:.1f} s")
 
 
 @pytest.fixture(scope="class")
@@ -198,7 +190,7 @@ class TestThreeBrokers:
         assert await _leader(kafka, topic) != leader
         got = await _consume(kafka, topic, len(before) + len(after), timeout_s=60)
         assert got == before + after
-        _say(pytestconfig, f"acks=all writes resumed {reelected_s:.1f} s after the kill -9")
+        say(pytestconfig, f"acks=all writes resumed {reelected_s:.1f} s after the kill -9")
 
 
 class TestSaslSsl:

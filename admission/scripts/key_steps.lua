@@ -536,15 +536,20 @@ local function pending_queue_expiry(x, v, entry, now, span, renew)
   if length % EXPIRY_EVERY == 0 then pending_expire(x, now) end
 end
 
-local function key_hold(x, entry, amount, now)
-  for i = 1, #x.stale, 500 do
+-- Bucket fields that left the window leave hash, with what expired in them (see "Expiry").
+local function pending_prune(hash, fields)
+  for i = 1, #fields, 500 do
     local names = {}
-    for j = i, math.min(i + 499, #x.stale) do
-      names[#names + 1] = x.stale[j]
-      names[#names + 1] = PENDING_EXPIRED .. x.stale[j]
+    for j = i, math.min(i + 499, #fields) do
+      names[#names + 1] = fields[j]
+      names[#names + 1] = PENDING_EXPIRED .. fields[j]
     end
-    redis.call('HDEL', x.pwkey, unpack(names))
+    redis.call('HDEL', hash, unpack(names))
   end
+end
+
+local function key_hold(x, entry, amount, now)
+  pending_prune(x.pwkey, x.stale)
   local q = x.q
   if q.repair then pending_requeue(x) end
   local total = q.total
@@ -555,14 +560,7 @@ local function key_hold(x, entry, amount, now)
       redis.call('DEL', x.pvkey, x.pqkey)
       q.tail = {}
     else
-      for i = 1, #q.stale, 500 do
-        local names = {}
-        for j = i, math.min(i + 499, #q.stale) do
-          names[#names + 1] = q.stale[j]
-          names[#names + 1] = PENDING_EXPIRED .. q.stale[j]
-        end
-        redis.call('HDEL', x.pvkey, unpack(names))
-      end
+      pending_prune(x.pvkey, q.stale)
       local first = redis.call('LINDEX', x.pqkey, 0)
       if first then
         redis.call('HSET', x.pvkey, PENDING_HEAD, first)

@@ -67,7 +67,7 @@ from tests.fixtures.load_stack import (
     until,
     wait_answering,
 )
-from tests.fixtures.services import _unavailable
+from tests.fixtures.services import _unavailable, say
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -126,15 +126,6 @@ class KafkaStack:
         return self.stack.log_files()
 
 
-def _say(config: pytest.Config, line: str) -> None:
-    """A line in the test report, shown without ``-s`` too."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(line)
-
-
 @pytest.fixture(scope="module")
 def kafka_stack(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
@@ -189,7 +180,7 @@ def kafka_stack(
         assert {(t.replication_factor, t.min_insync_replicas) for t in replication} == {
             (REPLICATION_FACTOR, MIN_INSYNC_REPLICAS)
         }, replication
-        _say(
+        say(
             pytestconfig,
             f"kafka faults: 3-broker cluster up in {up_s:.1f} s, "
             f"stack answering {time.monotonic() - started:.1f} s after the start",
@@ -209,7 +200,7 @@ def kafka_stack(
                     os.kill(pid, signal.SIGKILL)
         cluster.down()
         own_redis.stop()
-        _say(
+        say(
             pytestconfig,
             f"kafka faults: stopped in {time.monotonic() - stopping:.1f} s; the whole module "
             f"took {time.monotonic() - started:.1f} s wall",

@@ -34,12 +34,11 @@ import httpx
 import pytest
 
 from spendgate.devkafka import KafkaClusterSettings, LocalKafkaCluster
-from spendgate.schemas import kafka_connect, redis_connect
+from spendgate.schemas import redis_connect
 from spendgate.schemas.fastdecode import decode
-from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.schemas.redis_connect import RedisSettings
-from spendgate.streams.kafka_util import assign, partitions, stop
 from tests.fixtures.admission import free_port
+from tests.fixtures.kafka_io import read_all
 from tests.fixtures.services import _unavailable
 from tests.fixtures.tls_redis import (
     USER,
@@ -270,26 +269,6 @@ def _deciding(base: str) -> bool:
     )
 
 
-async def _records(kafka: KafkaConnection, topic: str) -> list[bytes]:
-    """Every value of ``topic`` now, read over the connection's protocol."""
-    consumer = kafka_connect.consumer(kafka, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tps = await partitions(consumer, topic)
-        if not tps:
-            return []
-        await assign(consumer, tps)
-        end = await consumer.end_offsets(tps)
-        await consumer.seek_to_beginning(*tps)
-        out: list[bytes] = []
-        while [tp for tp in tps if await consumer.position(tp) < end[tp]]:
-            for messages in (await consumer.getmany(*tps, timeout_ms=500)).values():
-                out += [m.value or b"" for m in messages]
-        return out
-    finally:
-        await stop(consumer)
-
-
 def _done(proc: subprocess.Popen[str], timeout_s: float = 90) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout_s)
     return proc.returncode, out, err
@@ -389,7 +368,7 @@ class TestSecureStack:
         # bucket of its reserve, whose instant (read back over SASL_SSL) lies within the
         # admit call that made it.
         prefix = env["SPENDGATE_TOPIC_PREFIX"]
-        usage = [decode(v) for v in asyncio.run(_records(kafka, f"{prefix}usage"))]
+        usage = [decode(v) for v in asyncio.run(read_all(kafka, f"{prefix}usage"))]
         reserved_at = {e.reservation_id: e.occurred_ms for e in usage if e.kind == "reserve"}
         assert set(reserved_at) == set(admitted)
         assert Counter(e.kind for e in usage) == {"reserve": 9, "commit": 6, "release": 3}
@@ -422,11 +401,11 @@ class TestSecureStack:
 
         # 4. Refusals and alerts, read over SASL_SSL.
         def refusals_in() -> set[str]:
-            values = asyncio.run(_records(kafka, f"{prefix}refusals"))
+            values = asyncio.run(read_all(kafka, f"{prefix}refusals"))
             return {str(json.loads(v).get("request_id")) for v in values}
 
         _wait("the refusals on the refusals topic", lambda: refused <= refusals_in(), 20)
-        alerts = [json.loads(v) for v in asyncio.run(_records(kafka, f"{prefix}alerts"))]
+        alerts = [json.loads(v) for v in asyncio.run(read_all(kafka, f"{prefix}alerts"))]
         kinds = {(a["key"], a["kind"]) for a in alerts}
         for tenant in TENANTS:
             key = f"tenant-requests|tenant={tenant}"
