@@ -180,9 +180,18 @@ class LocalCluster:
             info = client.info("replication")
         return info.get("master_link_status") == "up"
 
+    def answers(self, port: int) -> bool:
+        """Whether the node answers ``CLUSTER INFO``: it is up and has loaded its data
+        (``ROLE`` answers while a node is still loading; ``CLUSTER INFO`` does not)."""
+        try:
+            self._info(port)
+        except (redis.RedisError, OSError):
+            return False
+        return True
+
     def _wait(self, check: str, deadline: float) -> None:
         while True:
-            if check == "answer" and all(self.role(p) != "-" for p in self.ports):
+            if check == "answer" and all(self.answers(p) for p in self.ports):
                 return
             if check == "healthy" and self.healthy():
                 return

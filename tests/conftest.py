@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import core as hypothesis_core
 
 from tests.fixtures.key_ids import TEST_SECRET
+from tests.fixtures.logs import tail
 from tests.fixtures.seeds import RUN_SEED, SEED_ENV, reproduce_hint
 
 pytest_plugins = [
@@ -91,15 +92,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for log in getattr(item, "spendgate_logs", lambda: [])():
             report.sections.append((f"tail of {log.name}", tail(log)))
     return report
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    """The last ``lines`` lines of a process log (where a failed test's worker says why)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"(unreadable: {e})"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 #: Test files that use the shared Redis Cluster (any ``pytest.mark.cluster`` in them): they
