@@ -182,7 +182,8 @@ class LocalCluster:
 
     def answers(self, port: int) -> bool:
         """Whether the node answers ``CLUSTER INFO``: it is up and has loaded its data
-        (``ROLE`` answers while a node is still loading; ``CLUSTER INFO`` does not)."""
+        (``ROLE`` answers while a node is still loading; ``CLUSTER INFO`` may answer
+        ``LOADING`` then)."""
         try:
             self._info(port)
         except (redis.RedisError, OSError):
