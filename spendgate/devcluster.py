@@ -20,7 +20,7 @@ import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from spendgate.devstack import StackSettings, alive, port_open, redis_binary, stop_pid
+from spendgate.devstack import StackSettings, port_open, recorded_pid, redis_binary, stop_pid
 from spendgate.schemas import redis_connect
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.redis_connect import RedisConnection
@@ -83,14 +83,7 @@ class LocalCluster:
 
     def pid(self, port: int) -> int | None:
         """The recorded pid of a node this module started and that still runs."""
-        path = self._pidfile(port)
-        if not path.exists():
-            return None
-        pid = int(path.read_text().strip() or 0)
-        if pid and alive(pid):
-            return pid
-        path.unlink(missing_ok=True)
-        return None
+        return recorded_pid(self._pidfile(port))
 
     def command(self, port: int, binary: str = "redis-server") -> list[str]:
         """The ``redis-server`` command line of one node."""

@@ -36,7 +36,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from spendgate.devstack import LocalStack, StackSettings, alive, port_open, stop_pid
+from spendgate.devstack import LocalStack, StackSettings, port_open, recorded_pid, stop_pid
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.kafka_connect import KafkaConnection
@@ -154,14 +154,7 @@ class LocalKafkaCluster:
 
     def pid(self, node_id: int) -> int | None:
         """The recorded pid of a node this module started and that still runs."""
-        path = self._pidfile(node_id)
-        if not path.exists():
-            return None
-        pid = int(path.read_text().strip() or 0)
-        if pid and alive(pid):
-            return pid
-        path.unlink(missing_ok=True)
-        return None
+        return recorded_pid(self._pidfile(node_id))
 
     # -- what clients use ----------------------------------------------------------------------
     def connection(self, **overrides: object) -> KafkaConnection:

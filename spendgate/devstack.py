@@ -82,6 +82,17 @@ def alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
 
 
+def recorded_pid(path: Path) -> int | None:
+    """The pid in ``path`` when that process still runs; a stale pid file is removed."""
+    if not path.exists():
+        return None
+    pid = int(path.read_text().strip() or 0)
+    if pid and alive(pid):
+        return pid
+    path.unlink(missing_ok=True)
+    return None
+
+
 def stop_pid(pid: int, grace_s: float) -> None:
     """SIGTERM ``pid``, reap it while it exits, and SIGKILL it after ``grace_s``."""
     os.kill(pid, signal.SIGTERM)
@@ -138,14 +149,7 @@ class LocalStack:
 
     def pid(self, name: Service) -> int | None:
         """The recorded pid of a service this tool started and that still runs."""
-        path = self._pidfile(name)
-        if not path.exists():
-            return None
-        pid = int(path.read_text().strip() or 0)
-        if pid and alive(pid):
-            return pid
-        path.unlink(missing_ok=True)
-        return None
+        return recorded_pid(self._pidfile(name))
 
     def _port(self, name: Service) -> int:
         return self.settings.kafka_port if name == "kafka" else self.settings.redis_port
