@@ -32,14 +32,23 @@ class WorkerHealth:
         self._lock = threading.Lock()
         self._partitions: tuple[PartitionHealth, ...] = ()
         self._assigned = False
+        self._generation: int | None = None
         self._updated = 0.0
         self.stale_after_s = stale_after_s
 
-    def update(self, partitions: Iterable[PartitionHealth], *, assigned: bool) -> None:
-        """Replace what is known: every owned partition, and whether an assignment is in."""
+    def update(
+        self,
+        partitions: Iterable[PartitionHealth],
+        *,
+        assigned: bool,
+        generation: int | None = None,
+    ) -> None:
+        """Replace what is known: every owned partition, whether an assignment is in, and
+        the consumer group generation this worker last joined (None: not joined yet)."""
         with self._lock:
             self._partitions = tuple(partitions)
             self._assigned = assigned
+            self._generation = generation
             self._updated = time.monotonic()
 
     def ready(self) -> bool:
@@ -55,6 +64,7 @@ class WorkerHealth:
             return {
                 "ready": ready,
                 "assigned": self._assigned,
+                "generation": self._generation,
                 "updated_s_ago": round(time.monotonic() - self._updated, 3)
                 if self._updated
                 else None,

@@ -245,8 +245,14 @@ class RedisKeeper:
             writes = await self._idle_marks(now_ms, idle_tps)
             self.noted(await self.materializer.write_marks(writes, self.presence))
         staleness_ms = int(self.settings.staleness_s * 1000)
+        # Assigned: in the group (faust's generation is 0 until the first join) and not
+        # mid-rebalance. A worker given no partition is then ready: it owns nothing to
+        # vouch for, and a rollout gated on its readiness must not wait for a rebalance.
+        generation = getattr(self.app, "consumer_generation_id", 0) or None
         self.health.update(
-            self.watermarks.health(now_ms, staleness_ms), assigned=bool(self.owned())
+            self.watermarks.health(now_ms, staleness_ms),
+            assigned=generation is not None and not getattr(self.app, "rebalancing", False),
+            generation=generation,
         )
 
     async def _idle_marks(self, now_ms: int, tps: dict[str, Any]) -> list[MarkWrite]:

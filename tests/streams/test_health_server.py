@@ -33,14 +33,15 @@ class TestReadiness:
         assert first.json() == {
             "ready": False,
             "assigned": False,
+            "generation": None,
             "updated_s_ago": None,
             "partitions": [],
         }
-        health.update([_vouched("usage:0"), _vouched("keyed:0")], assigned=True)
+        health.update([_vouched("usage:0"), _vouched("keyed:0")], assigned=True, generation=3)
         ready = httpx.get(f"{url}/readyz")
         assert ready.status_code == 200, ready.text
         body = ready.json()
-        assert body["ready"] is True and body["assigned"] is True
+        assert body["ready"] is True and body["assigned"] is True and body["generation"] == 3
         assert body["partitions"][0] == {
             "field": "usage:0",
             "state": "vouched",
