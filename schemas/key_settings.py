@@ -7,6 +7,7 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,11 +78,17 @@ def readable_files(files: Iterable[tuple[str, Path | None]]) -> None:
             raise ConfigurationError(f"{variable}={path}: no such readable file")
 
 
-def settings_error(exc: ValidationError) -> ConfigurationError:
-    """One line of every message of a model's validation (the variables they name)."""
-    return ConfigurationError(
-        "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-    )
+def settings_error(exc: ValidationError, env_prefix: str | None = None) -> ConfigurationError:
+    """One line of every message of a model's validation (the variables they name); with
+    ``env_prefix``, a message about one field starts with its variable's name."""
+
+    def line(error: Any) -> str:
+        msg = str(error["msg"]).removeprefix("Value error, ")
+        if env_prefix is None or not error["loc"]:
+            return msg
+        return f"{env_prefix}{str(error['loc'][0]).upper()}: {msg}"
+
+    return ConfigurationError("; ".join(line(e) for e in exc.errors()))
 
 
 class SubjectSecretSettings(BaseSettings):

@@ -306,11 +306,11 @@ def key_id(
 @app.command("worker")
 def worker(json_logs: JsonLogs = False) -> None:
     """Run the stream processor: consume usage events, keep windows, materialize to Redis."""
-    from spendgate.streams.settings import WorkerSettings
+    from spendgate.streams.settings import load_settings
     from spendgate.streams.worker import run_worker
 
     _configure_logging(json_logs)
-    run_worker(WorkerSettings())
+    run_worker(load_settings())
 
 
 @app.command("admission")
@@ -371,22 +371,25 @@ def policy_apply(
         ),
     ],
 ) -> None:
-    """Validate policies from FILE and publish them; a bad file changes nothing."""
-    from spendgate.streams.policy_admin import apply_file
-    from spendgate.streams.settings import WorkerSettings
+    """Validate policies from FILE and publish them; a bad file changes nothing.
 
-    for applied in apply_file(WorkerSettings(), file):
+    Waits for Kafka at most SPENDGATE_POLICY_TIMEOUT_S (30 s) in all, then exits 3.
+    """
+    from spendgate.streams.policy_admin import apply_file, policy_settings
+
+    settings = policy_settings()
+    for applied in apply_file(settings, file, timeout_s=settings.policy_timeout_s):
         say("applied", "green", applied)
 
 
 @policy.command("list")
 def policy_list() -> None:
-    """List the policies in force."""
-    from spendgate.streams.policy_admin import list_policies
-    from spendgate.streams.settings import WorkerSettings
+    """List the policies in force (waiting for Kafka at most SPENDGATE_POLICY_TIMEOUT_S)."""
+    from spendgate.streams.policy_admin import list_policies, policy_settings
 
+    settings = policy_settings()
     table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
-    for p in list_policies(WorkerSettings()):
+    for p in list_policies(settings, timeout_s=settings.policy_timeout_s):
         # Text cells: a match like {model: [a, b]} is data, not markup.
         cells = (p.id, p.unit, str(p.limit), p.window, p.bucket, str(p.match))
         table.add_row(*(Text(c) for c in (*cells, ",".join(p.group_by), p.mode)))
@@ -395,11 +398,14 @@ def policy_list() -> None:
 
 @policy.command("delete")
 def policy_delete(policy_id: Annotated[str, typer.Argument(help="The policy id.")]) -> None:
-    """Delete a policy (a tombstone on the policies topic)."""
-    from spendgate.streams.policy_admin import delete_policy
-    from spendgate.streams.settings import WorkerSettings
+    """Delete a policy (a tombstone on the policies topic).
 
-    delete_policy(WorkerSettings(), policy_id)
+    Waits for Kafka at most SPENDGATE_POLICY_TIMEOUT_S (30 s) in all, then exits 3.
+    """
+    from spendgate.streams.policy_admin import delete_policy, policy_settings
+
+    settings = policy_settings()
+    delete_policy(settings, policy_id, timeout_s=settings.policy_timeout_s)
     say("deleted", "", policy_id)
 
 

@@ -72,10 +72,16 @@ def declare_agents(app: faust.App, worker: Worker) -> None:
     async def split(stream: faust.StreamT[bytes]) -> None:
         await worker.policies_ready()
         commit = worker.usage_commit(stream)
-        retry = StoreRetry("split")
+        retry = StoreRetry("split")  # also the agent's name in its liveness
         async for events in batches(stream, size, linger_s):
             await commit_until_written(
-                commit.run, events, retry, owned=owned, rebalancing=rebalancing
+                commit.run,
+                events,
+                retry,
+                owned=owned,
+                rebalancing=rebalancing,
+                liveness=worker.liveness,
+                bound_hit=worker.bound_hit,
             )
 
     @app.agent(worker.topics.keyed, concurrency=1)
@@ -84,5 +90,11 @@ def declare_agents(app: faust.App, worker: Worker) -> None:
         retry = StoreRetry("account")
         async for events in batches(stream, size, linger_s):
             await commit_until_written(
-                commit.run, events, retry, owned=owned, rebalancing=rebalancing
+                commit.run,
+                events,
+                retry,
+                owned=owned,
+                rebalancing=rebalancing,
+                liveness=worker.liveness,
+                bound_hit=worker.bound_hit,
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from spendgate.streams.commit import BatchCommit, Carried, Folded, Last, Partiti
 from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.drift import DriftCheck
 from spendgate.streams.effects import FoldResult
+from spendgate.streams.exceptions import KafkaWaitExpired
 from spendgate.streams.faust_io import FaustTable, StreamAcks, TopicOutbox
 from spendgate.streams.fold import KeyedMessage, UsageRecord, fold_keyed, fold_usage
 from spendgate.streams.gaps import (
@@ -42,8 +43,10 @@ from spendgate.streams.gaps import (
 )
 from spendgate.streams.health import WorkerHealth
 from spendgate.streams.id_rebuild import rebuild_ids
+from spendgate.streams.kafka_util import ReadBound
 from spendgate.streams.keeper import RedisKeeper
 from spendgate.streams.ledger import KeyState
+from spendgate.streams.liveness import Liveness
 from spendgate.streams.materialize import RedisMaterializer
 from spendgate.streams.policybook import PolicyBook
 from spendgate.streams.rules import Rules
@@ -60,18 +63,22 @@ def build_app(
     policies: dict[str, Policy] | None = None,
     retention_ms: int = -1,
     health: WorkerHealth | None = None,
+    liveness: Liveness | None = None,
+    bound_hit: Callable[[KafkaWaitExpired], None] | None = None,
 ) -> faust.App:
     """Build the worker's faust app with its topics, table, agents and policy tail.
 
     ``policies``, read before the app starts, lets the agents begin without waiting for
     the policy tail; the tail then keeps them current. ``retention_ms`` is ``usage``'s
     retention (-1: forever), checked again whenever the policies change. ``health`` is
-    kept current with the partitions this worker owns (its readiness endpoint).
+    kept current with the partitions this worker owns (its readiness endpoint),
+    ``liveness`` with its agents' progress (its liveness endpoint and watchdog);
+    ``bound_hit`` is called with each Kafka wait of a batch past its bound.
     """
     app = faust_app(settings)
     if health is None:
         health = WorkerHealth()
-    worker = Worker(app, settings, policies, retention_ms, health)
+    worker = Worker(app, settings, policies, retention_ms, health, liveness, bound_hit)
     declare_agents(app, worker)
     return app
 
@@ -132,6 +139,8 @@ class Worker:
         policies: the policies read before the start (None: wait for the policy tail).
         retention_ms: ``usage``'s retention (-1: forever).
         health: kept current with the owned partitions.
+        liveness: told of each agent's progress (None: its own, from the settings).
+        bound_hit: called with each Kafka wait of a batch past its bound.
     """
 
     def __init__(
@@ -141,8 +150,12 @@ class Worker:
         policies: dict[str, Policy] | None,
         retention_ms: int,
         health: WorkerHealth,
+        liveness: Liveness | None = None,
+        bound_hit: Callable[[KafkaWaitExpired], None] | None = None,
     ) -> None:
         self.app = app
+        self.liveness = liveness or Liveness(settings.worker_stall_s, settings.worker_exit_s)
+        self.bound_hit = bound_hit
         self.settings = settings
         self.retention_ms = retention_ms
         self.topics = Topics.declare(app, settings)
@@ -223,11 +236,12 @@ class Worker:
             self.materializer,
             self.keeper,
             self.outbox,
-            StreamAcks(stream),
+            StreamAcks(stream, self.settings.worker_kafka_wait_s),
             in_flight=self.in_flight,
             done=done,
             unmirrored=self.unmirrored.setdefault(agent, {}),
             unsent=self.unsent_alerts.setdefault(agent, {}),
+            kafka_wait_s=self.settings.worker_kafka_wait_s,
         )
 
     async def policies_ready(self) -> None:
@@ -241,7 +255,9 @@ class Worker:
         """Fold one partition's usage records of a batch (step 1 of the usage commit)."""
         self.track_policies()
         first = events[0].message
-        back = await self.skipped(self.split_positions, first.topic, partition, first.offset)
+        back = await self.skipped(
+            self.split_positions, first.topic, partition, first.offset, "split"
+        )
         records = [UsageRecord(b.partition, b.offset, b.timestamp, b.value or b"") for b in back]
         records += [
             UsageRecord(partition, e.message.offset, int(e.message.timestamp * 1000), e.value)
@@ -255,6 +271,7 @@ class Worker:
                 first.topic,
                 self.ids,
                 Position(partition, head.offset, head.broker_ms),
+                self.read_bound("split"),
             )
         result = fold_usage(
             records,
@@ -275,7 +292,9 @@ class Worker:
     ) -> tuple[FoldResult, Last]:
         """Fold one partition's keyed messages of a batch (step 1 of the keyed commit)."""
         first = events[0].message
-        back = await self.skipped(self.account_positions, first.topic, partition, first.offset)
+        back = await self.skipped(
+            self.account_positions, first.topic, partition, first.offset, "account"
+        )
         messages = [KeyedMessage(b.partition, b.offset, b.value or b"") for b in back]
         messages += [KeyedMessage(partition, e.message.offset, e.value) for e in events]
         result = fold_keyed(messages, self.load, max_value_bytes=self.settings.max_value_bytes)
@@ -297,10 +316,16 @@ class Worker:
             count(part.result)
             self.account_positions.handled(part.partition, part.last.offset)
 
+    def read_bound(self, agent: str) -> ReadBound:
+        """The bound on one read back from Kafka by ``agent`` (each batch read is its
+        progress)."""
+        return ReadBound(self.settings.worker_kafka_wait_s, lambda: self.liveness.progressed(agent))
+
     async def skipped(
-        self, positions: Positions, topic: str, partition: int, offset: int
+        self, positions: Positions, topic: str, partition: int, offset: int, agent: str
     ) -> list[Any]:
-        """Records of this partition the stream skipped before ``offset`` (read back).
+        """Records of this partition the stream skipped before ``offset`` (read back by
+        ``agent``).
 
         On a partition's first batch since an assignment, from the earlier of the group's
         commit and the last offset the table applied (``streams.gaps``: a commit can run
@@ -310,12 +335,14 @@ class Worker:
         tp = TopicPartition(topic, partition)
         committed = applied = None
         if last is None:
-            committed = await committed_offset(kafka, self.settings.app_id, tp)
+            committed = await committed_offset(
+                kafka, self.settings.app_id, tp, self.read_bound(agent)
+            )
             applied = applied_offset(self.table, topic, partition)
         wanted = missing_range(last, committed, offset, applied)
         if not wanted:
             return []
-        records = await read_range(kafka, tp, wanted)
+        records = await read_range(kafka, tp, wanted, self.read_bound(agent))
         logger.warning(
             "%s[%d]: the stream skipped offsets %d..%d; handling %d records read back first",
             topic,

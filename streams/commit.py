@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from spendgate.schemas.alerts import Alert
 from spendgate.streams.effects import FoldResult, KeyWrite, Refusal
+from spendgate.streams.exceptions import KafkaWait, KafkaWaitExpired
 from spendgate.streams.remote import RemoteBatch
 from spendgate.streams.scripts.mark import MarkReply, MarkWrite
 
@@ -32,6 +33,8 @@ __all__ = [
     "by_partition",
     "drop_carried",
 ]
+
+T = TypeVar("T")
 
 
 class Last(NamedTuple):
@@ -164,6 +167,13 @@ class BatchCommit:
        acked (``streams.faust_io.StreamAcks``: once the changelog writes left faust's
        buffer).
 
+    Steps 5 and 6 wait on Kafka, each within ``kafka_wait_s``: past it the step raises
+    :class:`~streams.exceptions.KafkaWaitExpired` (the sends themselves are left to the
+    producer, never cancelled) and the caller commits the batch again
+    (``streams.retry.commit_until_written``): its records are then redeliveries, its keyed
+    batches and alerts are sent again, and their receivers recognise them by position and
+    by id.
+
     Any failure before 6 leaves the offsets uncommitted, drops the cached states and
     raises: the records come again, and the table applies them once. What steps 2 wrote
     but step 4 did not confirm is carried to the next batch's step 4, merged into that
@@ -200,6 +210,7 @@ class BatchCommit:
         unsent: the alerts not acked yet by id (kept by the caller across commits, like
             ``unmirrored``; kept whoever owns their partition now: the new owner's
             redeliveries raise none).
+        kafka_wait_s: the bound on each of steps 5 and 6 (None: unbounded, tests only).
     """
 
     def __init__(
@@ -215,6 +226,7 @@ class BatchCommit:
         done: Callable[[Sequence[Folded]], None] | None = None,
         unmirrored: dict[str, Carried] | None = None,
         unsent: dict[str, Alert] | None = None,
+        kafka_wait_s: float | None = None,
     ) -> None:
         self.fold = fold
         self.table = table
@@ -230,6 +242,7 @@ class BatchCommit:
         #: Alerts whose crossing is in the table and that the broker has not acked yet:
         #: sent with every batch until it has.
         self.unsent = unsent if unsent is not None else {}
+        self.kafka_wait_s = kafka_wait_s
 
     async def run(self, events: Sequence[Any]) -> list[Folded]:
         """Commit ``events`` (faust events of one topic, any partitions) in steps 1-6.
@@ -259,7 +272,7 @@ class BatchCommit:
                 parts.append(Folded(partition, result, last))
             await self._redis(parts, touched)
             written = []  # in Redis now
-            await self._sends(parts, groups)
+            await self._within("sends", self._sends(parts, groups))
             if self.done is not None:
                 self.done(parts)
         except BaseException:
@@ -268,8 +281,27 @@ class BatchCommit:
             self.in_flight.difference_update(touched)
             raise
         # 6. offsets
-        await self.offsets.commit(events)
+        await self._within("offsets", self.offsets.commit(events))
         return parts
+
+    async def _within(self, wait: KafkaWait, step: Awaitable[T]) -> T:
+        """``step`` within ``kafka_wait_s``.
+
+        Raises:
+            KafkaWaitExpired: it did not finish in time (a step's own TimeoutError too).
+        """
+        if self.kafka_wait_s is None:
+            return await step
+        try:
+            async with asyncio.timeout(self.kafka_wait_s):
+                return await step
+        except TimeoutError:
+            what = {"sends": "the batch's sends", "offsets": "the batch's changelog writes"}
+            raise KafkaWaitExpired(
+                wait,
+                f"{what.get(wait, wait)} not done within {self.kafka_wait_s} s "
+                "(SPENDGATE_WORKER_KAFKA_WAIT_S)",
+            ) from None
 
     async def _redis(self, parts: Sequence[Folded], touched: set[str]) -> None:
         """Step 4: the batch's windows (and those carried from a failed batch) and, unless
@@ -300,7 +332,7 @@ class BatchCommit:
             sent += [await self.outbox.dead_letter(r) for r in part.result.refusals]
         alerts = list(self.unsent.values())
         sent += [await self.outbox.alert(a) for a in alerts]
-        await asyncio.gather(*sent)
+        await _acked(sent)
         for alert in alerts:
             self.unsent.pop(alert.alert_id, None)
         acked = [a.alert_id for a in alerts]
@@ -334,6 +366,23 @@ class BatchCommit:
                 elif older.redis_due:
                     carried.append(older)
         return carried + [w for w in writes if w.redis_due]
+
+
+async def _acked(sent: Sequence[Awaitable[Any]]) -> None:
+    """Wait for every ack of ``sent``; raise the first error among them.
+
+    A bound cancelling this wait leaves the sends to the producer (``asyncio.wait`` never
+    cancels what it waits for, where ``gather`` would cancel the message futures faust and
+    aiokafka still resolve).
+    """
+    if not sent:
+        return
+    futures = [asyncio.ensure_future(a) for a in sent]
+    await asyncio.wait(futures)
+    # Every error retrieved (none left to be logged as never retrieved), the first raised.
+    errors = [exc for fut in futures if (exc := fut.exception()) is not None]
+    if errors:
+        raise errors[0]
 
 
 def _merge(newer: KeyWrite, older: KeyWrite) -> None:

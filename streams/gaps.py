@@ -33,7 +33,7 @@ from aiokafka.structs import ConsumerRecord
 
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.kafka_connect import KafkaConnection
-from spendgate.streams.kafka_util import assign, stop
+from spendgate.streams.kafka_util import ReadBound, assign, stop
 
 __all__ = [
     "APPLIED_PREFIX",
@@ -119,13 +119,21 @@ class Positions:
         self._last.clear()
 
 
-async def committed_offset(kafka: KafkaConnection, group: str, tp: TopicPartition) -> int:
+async def committed_offset(
+    kafka: KafkaConnection, group: str, tp: TopicPartition, bound: ReadBound | None = None
+) -> int:
     """The group's committed offset of ``tp`` (0 when it has none: the consumers start at
-    the earliest record, which :func:`read_range` clamps to the log start)."""
+    the earliest record, which :func:`read_range` clamps to the log start).
+
+    Raises:
+        KafkaWaitExpired: a step took longer than ``bound``.
+    """
+    bound = bound or ReadBound(None)
+    what = f"asking the committed offset of {tp.topic}[{tp.partition}]"
     admin = kafka_connect.admin(kafka)
-    await admin.start()
     try:
-        found = await admin.list_consumer_group_offsets(group, partitions=[tp])
+        await bound.step(what, admin.start())
+        found = await bound.step(what, admin.list_consumer_group_offsets(group, partitions=[tp]))
     finally:
         await admin.close()
     meta = found.get(tp)
@@ -133,25 +141,33 @@ async def committed_offset(kafka: KafkaConnection, group: str, tp: TopicPartitio
 
 
 async def read_range(
-    kafka: KafkaConnection, tp: TopicPartition, wanted: range
+    kafka: KafkaConnection, tp: TopicPartition, wanted: range, bound: ReadBound | None = None
 ) -> list[ConsumerRecord]:
     """The records of ``tp`` at the offsets in ``wanted``, in order (missing ones, such as
-    transaction markers or records past retention, are simply absent)."""
+    transaction markers or records past retention, are simply absent).
+
+    Raises:
+        KafkaWaitExpired: a step, or the next record, took longer than ``bound``.
+    """
     if not wanted:
         return []
+    bound = bound or ReadBound(None)
+    what = f"reading back {tp.topic}[{tp.partition}]"
     consumer = kafka_connect.consumer(kafka, enable_auto_commit=False, max_poll_records=5000)
-    await consumer.start()
     out: list[ConsumerRecord] = []
     try:
-        await assign(consumer, [tp])
-        begin = (await consumer.beginning_offsets([tp]))[tp]
+        await bound.step(what, consumer.start())
+        await bound.step(what, assign(consumer, [tp]))
+        begin = (await bound.step(what, consumer.beginning_offsets([tp])))[tp]
         start = max(wanted.start, begin)
         if start >= wanted.stop:
             return []
         consumer.seek(tp, start)
-        while await consumer.position(tp) < wanted.stop:
+        while await bound.step(what, consumer.position(tp)) < wanted.stop:
             batch = await consumer.getmany(tp, timeout_ms=1000)
-            out += [m for m in batch.get(tp, []) if m.offset < wanted.stop]
+            got = batch.get(tp, [])
+            bound.read(len(got), what)
+            out += [m for m in got if m.offset < wanted.stop]
     finally:
         await stop(consumer)
     return out

@@ -4,7 +4,9 @@ A stdlib ``ThreadingHTTPServer`` in a daemon thread (the faust event loop never 
 HTTP, so a busy fold never delays a probe, and a probe never holds up the fold):
 
 - ``GET /metrics``: Prometheus text exposition (``prometheus_client.generate_latest``);
-- ``GET /healthz``: 200 while the process runs;
+- ``GET /healthz``: 200 while the worker makes progress (``streams.liveness``: the event
+  loop runs, and no agent holds records without progress for ``SPENDGATE_WORKER_STALL_S``),
+  else 503 with the reason; an idle worker, or one retrying a failing store, is healthy;
 - ``GET /readyz``: 200 when :meth:`streams.health.WorkerHealth.ready` (assigned, every
   owned partition vouched for, updated recently), else 503; the body is
   :meth:`~streams.health.WorkerHealth.snapshot` as JSON either way.
@@ -20,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 from spendgate.streams.health import WorkerHealth
+from spendgate.streams.liveness import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     health: WorkerHealth
     registry: CollectorRegistry
+    liveness: Liveness | None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -40,7 +44,12 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
-            self._json(200, {"status": "ok"})
+            liveness = self.server.liveness
+            if liveness is None:
+                self._json(200, {"status": "ok"})
+            else:
+                verdict = liveness.verdict()
+                self._json(200 if verdict.healthy else 503, verdict.body())
         elif path == "/readyz":
             health = self.server.health
             snapshot = health.snapshot()
@@ -72,6 +81,7 @@ class HealthServer:
         port: int,
         host: str = "127.0.0.1",
         registry: CollectorRegistry = REGISTRY,
+        liveness: Liveness | None = None,
     ) -> None:
         """Bind at once (``port`` 0: any free port, see :attr:`port`); serve on :meth:`start`.
 
@@ -81,6 +91,7 @@ class HealthServer:
         self._server = _Server((host, port), _Handler)
         self._server.health = health
         self._server.registry = registry
+        self._server.liveness = liveness
         self._thread: threading.Thread | None = None
 
     @property

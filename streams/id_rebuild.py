@@ -14,7 +14,7 @@ from spendgate.schemas.kafka_connect import KafkaConnection
 from spendgate.streams import metrics
 from spendgate.streams.dedupe import IdStore, Position
 from spendgate.streams.ids import note
-from spendgate.streams.kafka_util import assign, stop
+from spendgate.streams.kafka_util import ReadBound, assign, stop
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,13 @@ def remember_raw(ids: IdStore, pos: Position, raw: bytes) -> None:
     ids.advance(pos)
 
 
-async def rebuild_ids(kafka: KafkaConnection, topic: str, ids: IdStore, resume: Position) -> int:
+async def rebuild_ids(
+    kafka: KafkaConnection,
+    topic: str,
+    ids: IdStore,
+    resume: Position,
+    bound: ReadBound | None = None,
+) -> int:
     """Fill ``ids`` for ``resume.partition`` with the records before ``resume.offset``.
 
     Reads from the later of (the first offset not yet covered locally) and (the first
@@ -39,20 +45,25 @@ async def rebuild_ids(kafka: KafkaConnection, topic: str, ids: IdStore, resume: 
 
     Returns:
         The number of records re-read.
+
+    Raises:
+        KafkaWaitExpired: a step, or the next record, took longer than ``bound``.
     """
     start = ids.covered(resume.partition) + 1
     if start >= resume.offset:
         return 0
+    bound = bound or ReadBound(None)
+    what = f"rebuilding the dedupe ids of {topic}[{resume.partition}]"
     tp = TopicPartition(topic, resume.partition)
     consumer = kafka_connect.consumer(kafka, enable_auto_commit=False, max_poll_records=5000)
-    await consumer.start()
     read = 0
     try:
-        await assign(consumer, [tp])
+        await bound.step(what, consumer.start())
+        await bound.step(what, assign(consumer, [tp]))
         since = max(0, resume.arrival_ms - ids.horizon_ms)
-        found = (await consumer.offsets_for_times({tp: since}))[tp]
+        found = (await bound.step(what, consumer.offsets_for_times({tp: since})))[tp]
         first = found.offset if found is not None else resume.offset
-        begin = (await consumer.beginning_offsets([tp]))[tp]
+        begin = (await bound.step(what, consumer.beginning_offsets([tp])))[tp]
         start = max(start, first, begin)
         if start >= resume.offset:
             return 0
@@ -67,6 +78,7 @@ async def rebuild_ids(kafka: KafkaConnection, topic: str, ids: IdStore, resume: 
         done = False
         while not done:
             batch = await consumer.getmany(tp, timeout_ms=1000)
+            bound.read(len(batch.get(tp, [])), what)
             for msg in batch.get(tp, []):
                 if msg.offset >= resume.offset:
                     done = True
@@ -77,7 +89,7 @@ async def rebuild_ids(kafka: KafkaConnection, topic: str, ids: IdStore, resume: 
                 if msg.offset + 1 >= resume.offset:
                     done = True
             # Offsets with no record (transaction markers) end the read by position.
-            if not done and await consumer.position(tp) >= resume.offset:
+            if not done and await bound.step(what, consumer.position(tp)) >= resume.offset:
                 done = True
     finally:
         await stop(consumer)

@@ -3,13 +3,76 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.kafka_connect import KafkaConnection
+from spendgate.streams.exceptions import KafkaWaitExpired
+
+T = TypeVar("T")
+
+
+class ReadBound:
+    """The bound on a read back from Kafka: each step (start, assign, offsets) within
+    ``wait_s``, and records arriving at least every ``wait_s`` while more are expected
+    (a long read that keeps reading is no stall); each record batch read is progress.
+
+    Args:
+        wait_s: the bound (``SPENDGATE_WORKER_KAFKA_WAIT_S``; None: unbounded).
+        progressed: called with each batch of records read (the agent's liveness).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        wait_s: float | None,
+        progressed: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.wait_s = wait_s
+        self.progressed = progressed
+        self.clock = clock
+        self._last = clock()
+
+    def _expired(self, what: str) -> KafkaWaitExpired:
+        return KafkaWaitExpired(
+            "read_back",
+            f"{what} not done within {self.wait_s} s (SPENDGATE_WORKER_KAFKA_WAIT_S)",
+        )
+
+    async def step(self, what: str, aw: Awaitable[T]) -> T:
+        """``aw`` within the bound.
+
+        Raises:
+            KafkaWaitExpired: it did not finish in time.
+        """
+        if self.wait_s is None:
+            return await aw
+        try:
+            async with asyncio.timeout(self.wait_s):
+                result = await aw
+        except TimeoutError:
+            raise self._expired(what) from None
+        self._last = self.clock()
+        return result
+
+    def read(self, records: int, what: str) -> None:
+        """``records`` arrived (0: none this poll).
+
+        Raises:
+            KafkaWaitExpired: none arrived for longer than the bound.
+        """
+        now = self.clock()
+        if records:
+            self._last = now
+            if self.progressed is not None:
+                self.progressed()
+        elif self.wait_s is not None and now - self._last > self.wait_s:
+            raise self._expired(f"{what}: no record arrived")
 
 
 async def partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:

@@ -102,3 +102,22 @@ UNSENT_ALERTS = Gauge(
     "Alerts whose crossing is recorded but that the broker has not acked yet; sent again "
     "with every batch until it has (at least once, deterministic ids); all agents.",
 )
+BOUND_HITS = Counter(
+    "spendgate_worker_bound_hits_total",
+    "Waits of the worker that hit their bound, by wait: sends (a batch's sends not acked "
+    "within SPENDGATE_WORKER_KAFKA_WAIT_S), offsets (its changelog writes not handed to the "
+    "producer within it), read_back (records read back from Kafka with none arriving within "
+    "it), progress (no progress within SPENDGATE_WORKER_STALL_S: /healthz fails). 0 on a "
+    "healthy worker.",
+    ["wait"],
+)
+RESENDS = Counter(
+    "spendgate_worker_resends_total",
+    "Batches committed again after a Kafka wait hit its bound (sent again under the carried-"
+    "write and by-position rules: nothing lost, nothing counted twice). 0 on a healthy worker.",
+)
+STALLED = Gauge(
+    "spendgate_worker_stalled",
+    "1 while the worker has made no progress within SPENDGATE_WORKER_STALL_S (/healthz "
+    "answers 503); it exits with code 4 after SPENDGATE_WORKER_EXIT_S.",
+)

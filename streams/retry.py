@@ -8,6 +8,12 @@ and answered with a bounded backoff (0.1 s doubling to 5 s); an agent's batch is
 again until Redis has it (:func:`commit_until_written`): the batch commit's own rules
 (``streams.commit``: carried writes, redeliveries recognised by position) make the second
 attempt count each record once.
+
+A wait on Kafka past its bound (:class:`~streams.exceptions.KafkaWaitExpired`) is committed
+again the same way, at once, counted (``spendgate_worker_bound_hits_total{wait}``,
+``spendgate_worker_resends_total``) and logged; it is no progress
+(``streams.liveness``): a batch that never gets its acks ends the process after
+``SPENDGATE_WORKER_EXIT_S``, while a store error, an answer, starts the stall clock over.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any
 
 from spendgate.schemas.backoff import STORE_ERRORS, Backoff, store_fault
 from spendgate.streams import metrics
+from spendgate.streams.exceptions import KafkaWaitExpired
+from spendgate.streams.liveness import Liveness
 
 __all__ = ["STORE_ERRORS", "StoreRetry", "commit_until_written", "store_fault"]
 
@@ -89,6 +97,8 @@ async def commit_until_written(
     *,
     owned: Callable[[], Container[Any]],
     rebalancing: Callable[[], bool],
+    liveness: Liveness | None = None,
+    bound_hit: Callable[[KafkaWaitExpired], None] | None = None,
 ) -> bool:
     """Commit one batch of faust events, again after each Redis error, until it is written.
 
@@ -107,26 +117,61 @@ async def commit_until_written(
         retry: the agent's store errors.
         owned: the topic partitions this worker owns now.
         rebalancing: whether a rebalance is under way.
+        liveness: told when the batch is taken, moves (a store error answered) and is
+            done, under the agent's name (``retry.task``).
+        bound_hit: called with each Kafka wait past its bound (the first logs the
+            diagnostics).
 
     Returns:
         True when the batch was written, False when it was given up.
     """
+    if liveness is not None:
+        liveness.took(retry.task, len(events))
+    try:
+        return await _until_written(commit, events, retry, owned, rebalancing, liveness, bound_hit)
+    finally:
+        if liveness is not None:
+            liveness.done(retry.task)
+
+
+async def _until_written(
+    commit: Callable[[list[Any]], Awaitable[Any]],
+    events: list[Any],
+    retry: StoreRetry,
+    owned: Callable[[], Container[Any]],
+    rebalancing: Callable[[], bool],
+    liveness: Liveness | None,
+    bound_hit: Callable[[KafkaWaitExpired], None] | None,
+) -> bool:
     while True:
         try:
             await commit(events)
+        except KafkaWaitExpired as exc:
+            metrics.BOUND_HITS.labels(wait=exc.wait).inc()
+            metrics.RESENDS.inc()
+            logger.warning(
+                "kafka wait bound: task=%s %s; the batch of %d events is committed again",
+                retry.task,
+                exc,
+                len(events),
+            )
+            if bound_hit is not None:
+                bound_hit(exc)
         except Exception as exc:
             if not store_fault(exc):
                 raise
             retry.failed(exc)
+            if liveness is not None:
+                liveness.progressed(retry.task)
+            await retry.wait()
         else:
             retry.succeeded()
             return True
-        await retry.wait()
         mine = owned()
         kept = [e for e in events if e.message.tp in mine]
         if rebalancing() or not kept:
             logger.warning(
-                "store error: task=%s gave up a batch of %d events (%s); its records come "
+                "batch retry: task=%s gave up a batch of %d events (%s); its records come "
                 "again from the committed offsets",
                 retry.task,
                 len(events),

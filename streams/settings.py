@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from spendgate.schemas.kafka_connect import KafkaSettings
-from spendgate.schemas.key_settings import SubjectSecretSettings
+from spendgate.schemas.key_settings import SubjectSecretSettings, settings_error
 from spendgate.schemas.redis_connect import RedisSettings
 from spendgate.schemas.types import Duration, parse_duration_ms
 
@@ -70,6 +70,52 @@ class WorkerSettings(SubjectSecretSettings, KafkaSettings, RedisSettings):
     staleness_s: float = Field(30.0, gt=0)
     #: How far in the future ``occurred_at`` may lie before it is clamped.
     max_future_skew_ms: int = Field(300_000, ge=0)
+    #: The bound on each wait of a batch on Kafka (its sends' acks, its changelog writes
+    #: leaving faust's buffer, records read back): past it the batch is committed again
+    #: (``spendgate_worker_bound_hits_total``, ``spendgate_worker_resends_total``).
+    worker_kafka_wait_s: float = 30.0
+    #: No progress for this long (an agent holding records, or the event loop not running)
+    #: is a stall: ``/healthz`` answers 503 and says why. At least the Kafka wait.
+    worker_stall_s: float = 45.0
+    #: No progress for this long ends the process with exit code 4, for its supervisor to
+    #: start it again (the records come again from the committed offsets). Above the
+    #: stall bound.
+    worker_exit_s: float = 120.0
+    #: After SIGTERM or SIGINT, how long the worker may take to stop before it exits
+    #: anyway (code 4), dropping in-flight work unacked. Below the session timeout, so its
+    #: partitions move no later than a worker that died would.
+    worker_stop_grace_s: float = 10.0
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> WorkerSettings:
+        names = (
+            ("worker_kafka_wait_s", "SPENDGATE_WORKER_KAFKA_WAIT_S"),
+            ("worker_stall_s", "SPENDGATE_WORKER_STALL_S"),
+            ("worker_exit_s", "SPENDGATE_WORKER_EXIT_S"),
+            ("worker_stop_grace_s", "SPENDGATE_WORKER_STOP_GRACE_S"),
+        )
+        for field, env in names:
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{env} must be above 0 s, got {getattr(self, field)}")
+        if self.worker_stall_s < self.worker_kafka_wait_s:
+            raise ValueError(
+                f"SPENDGATE_WORKER_STALL_S ({self.worker_stall_s}) must be at least "
+                f"SPENDGATE_WORKER_KAFKA_WAIT_S ({self.worker_kafka_wait_s}): a wait still "
+                "within its bound is no stall"
+            )
+        if self.worker_exit_s <= self.worker_stall_s:
+            raise ValueError(
+                f"SPENDGATE_WORKER_EXIT_S ({self.worker_exit_s}) must be above "
+                f"SPENDGATE_WORKER_STALL_S ({self.worker_stall_s}): a worker is seen stalled "
+                "before it exits"
+            )
+        if self.worker_stop_grace_s >= self.session_timeout_s:
+            raise ValueError(
+                f"SPENDGATE_WORKER_STOP_GRACE_S ({self.worker_stop_grace_s}) must be below "
+                f"SPENDGATE_SESSION_TIMEOUT_S ({self.session_timeout_s}): a stop must end "
+                "before the group would notice a dead worker"
+            )
+        return self
 
     def horizon_ms(self, longest_window_ms: int) -> int:
         """The dedupe horizon in force with policies whose longest window is given."""
@@ -90,3 +136,15 @@ class WorkerSettings(SubjectSecretSettings, KafkaSettings, RedisSettings):
     def keyed_topic(self) -> str:
         """This app's internal topic of usage repartitioned by budget key."""
         return f"{self.topic_prefix}{self.app_id}-keyed"
+
+
+def load_settings() -> WorkerSettings:
+    """The worker's settings from its environment.
+
+    Raises:
+        ConfigurationError: a setting is refused (one line naming each variable).
+    """
+    try:
+        return WorkerSettings()
+    except ValidationError as exc:
+        raise settings_error(exc, "SPENDGATE_") from None

@@ -135,15 +135,17 @@ class Group:
     def __init__(self) -> None:
         self.committed: dict[int, int] = {}
 
-    async def committed_offset(self, bootstrap: str, group: str, tp: Any) -> int:
+    async def committed_offset(self, bootstrap: str, group: str, tp: Any, bound: Any) -> int:
         return self.committed.get(tp.partition, 0)
 
 
-async def read_range(bootstrap: str, tp: Any, wanted: range) -> list[Record]:
+async def read_range(bootstrap: str, tp: Any, wanted: range, bound: Any) -> list[Record]:
     return [r for r in LOG if r.partition == tp.partition and r.offset in wanted]
 
 
-async def rebuild_ids(bootstrap: str, topic: str, ids: IdStore, resume: Position) -> int:
+async def rebuild_ids(
+    bootstrap: str, topic: str, ids: IdStore, resume: Position, bound: Any
+) -> int:
     # What streams.id_rebuild.rebuild_ids does, over the log in memory.
     done = 0
     for r in LOG:
