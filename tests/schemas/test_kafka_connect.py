@@ -9,6 +9,9 @@ import shutil
 import socket
 import ssl
 import subprocess
+import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from faust.auth import SASLCredentials, SSLCredentials
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 from pydantic import SecretStr
 
+from spendgate.devkafka import SCRAM_USER, KafkaClusterSettings, LocalKafkaCluster
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.kafka_connect import (
@@ -25,6 +29,7 @@ from spendgate.schemas.kafka_connect import (
     TopicReplication,
     shortfalls,
 )
+from tests.fixtures.services import _unavailable, say
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The product's packages: every Kafka client in them is built by ``schemas.kafka_connect``.
@@ -32,6 +37,15 @@ PRODUCT = ("admission", "streams", "schemas", "spendgate", "dashboard")
 FACTORY = ROOT / "schemas" / "kafka_connect.py"
 CLIENTS = {"AIOKafkaProducer", "AIOKafkaConsumer", "AIOKafkaAdminClient", "AIOKafkaClient"}
 PASSWORD = "s3cr3t-pa55word"
+#: The real broker of ``TestSecrets.test_never_logged``: clients on 31800, its controller
+#: on 31900, replication on 32000; below the ephemeral range (32768) and apart from the
+#: other clusters' ports (29400-29902, 30400-30502, 30600-30800, and 31400-31702: a
+#: 3-broker SASL_SSL cluster on 31400 replicates on 31600-31602).
+OWN_PORTS = 31800
+#: A password the broker refuses (the right one is the broker's own, random).
+WRONG_PASSWORD = "wr0ng-s3cr3t-pa55word"
+#: Every logger a connection goes through, each set to DEBUG (the root one included).
+LOGGERS = ("", "aiokafka", "faust", "mode", "redis", "asyncio", "spendgate", "test")
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +69,7 @@ def _private(tmp_path: Path, name: str, text: str) -> Path:
 def client_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate and its key, encrypted with ``"keypass"``."""
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+        _unavailable("openssl is not installed")
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "client.pem", folder / "client.key"
     subprocess.run(
@@ -64,6 +78,40 @@ def client_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture(scope="module")
+def sasl_broker(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[LocalKafkaCluster]:
+    """One real broker of this module's own: SASL_SSL with SCRAM-SHA-512
+    (``spendgate.devkafka``), stopped at the end."""
+    if shutil.which("java") is None or shutil.which("openssl") is None:
+        _unavailable("java and openssl are needed for the SASL_SSL broker")
+    settings = KafkaClusterSettings(
+        kafka_cluster_port=OWN_PORTS, stack_dir=tmp_path_factory.mktemp("kafka")
+    )
+    kafka = LocalKafkaCluster(settings, 1, "sasl_ssl")
+    started = time.monotonic()
+    try:
+        kafka.up()
+        say(pytestconfig, f"SASL_SSL broker up in {time.monotonic() - started:.1f} s")
+        yield kafka
+    finally:
+        kafka.down()
+
+
+def _shown(exc: BaseException) -> str:
+    """Everything an error shows: ``str`` and ``repr`` of it and of each error it was
+    raised from or while handling, and its whole traceback."""
+    parts: list[str] = []
+    seen: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in seen:
+        seen.append(cause)
+        parts += [str(cause), repr(cause), *traceback.format_exception(cause)]
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(parts)
 
 
 def _refusal(**env: str) -> str:
@@ -279,18 +327,57 @@ class TestSecrets:
             assert "**********" in shown
         assert PASSWORD not in repr(kafka.faust_credentials())
 
-    async def test_never_logged(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-        caplog.set_level(logging.DEBUG)
-        _, kafka = self._kafka(tmp_path)
-        kafka = kafka.model_copy(update={"bootstrap": "127.0.0.1:1"})
-        logging.getLogger("test").info("connecting with %s (%r)", kafka, kafka)
-        producer = kafka_connect.producer(kafka, request_timeout_ms=1000)
-        with pytest.raises(KafkaError):  # nobody listens: aiokafka logs its attempts
+    @pytest.mark.integration
+    async def test_never_logged(
+        self, sasl_broker: LocalKafkaCluster, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """At DEBUG on every logger, a real SASL_SSL broker is given its password (let
+        in) and a wrong one (refused): neither is in a log line or in an error's text."""
+        for name in LOGGERS:
+            caplog.set_level(logging.DEBUG, logger=name)
+        right = sasl_broker.connection()
+        wrong = sasl_broker.connection(sasl_password=SecretStr(WRONG_PASSWORD))
+        assert right.sasl_password is not None
+        secrets = {"right": right.sasl_password.get_secret_value(), "wrong": WRONG_PASSWORD}
+        logging.getLogger("test").info("connecting with %s (%r) and %r", right, right, wrong)
+        errors: list[BaseException] = []
+
+        # The right password: the start check, a producer and faust's producer are let in.
+        assert await kafka_connect.check(right, timeout_s=30) is True
+        producer = kafka_connect.producer(right, request_timeout_ms=30_000)
+        await producer.start()
+        await producer.stop()
+        app = kafka_connect.faust_app(right, "sg-secret-test")
+        await app.producer.start()
+        await app.producer.stop()
+
+        # A wrong one: refused by the broker at the SASL step, each time.
+        with pytest.raises(ConfigurationError) as refused:
+            await kafka_connect.check(wrong, timeout_s=30)
+        assert f"refused user {SCRAM_USER!r} (SCRAM-SHA-512)" in str(refused.value)
+        errors.append(refused.value)
+        producer = kafka_connect.producer(wrong, request_timeout_ms=30_000)
+        with pytest.raises(KafkaError) as failed:
             await producer.start()
         await producer.stop()
-        kafka_connect.faust_app(kafka, "sg-secret-test")
-        assert caplog.records
-        assert PASSWORD not in caplog.text
+        errors.append(failed.value)
+        app = kafka_connect.faust_app(wrong, "sg-secret-test-wrong")
+        with pytest.raises(KafkaError) as failed:
+            await app.producer.start()
+        await app.producer.stop()
+        errors.append(failed.value)
+
+        # The SASL step ran and was logged, at DEBUG too.
+        assert f"Authenticated as {SCRAM_USER} via SCRAM-SHA-512" in caplog.text
+        assert "SaslAuthenticationFailed" in caplog.text
+        assert any(r.levelno == logging.DEBUG and r.name.startswith("aiokafka")
+                   for r in caplog.records)  # fmt: skip
+        leaks = [f"the {which} password is in the log" for which, secret in secrets.items()
+                 if secret in caplog.text]  # fmt: skip
+        leaks += [f"the {which} password is in {type(exc).__name__}: {exc}"
+                  for which, secret in secrets.items()
+                  for exc in errors if secret in _shown(exc)]  # fmt: skip
+        assert not leaks, leaks
 
 
 class TestShortfalls:

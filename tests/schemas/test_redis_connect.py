@@ -9,6 +9,9 @@ import os
 import shutil
 import ssl
 import subprocess
+import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from spendgate.schemas import redis_connect
 from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.redis_connect import RedisConnection, RedisSettings, redact_url
+from tests.fixtures import tls_redis
+from tests.fixtures.admission import free_port
+from tests.fixtures.services import _unavailable, say
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The product's packages: every Redis client in them is built by ``schemas.redis_connect``.
@@ -35,6 +41,10 @@ CLIENTS = {
     "Sentinel",
 }
 PASSWORD = "s3cr3t-pa55word"
+#: A password the TLS redis-server refuses (the right one is ``tls_redis.PASSWORD``).
+WRONG_PASSWORD = "wr0ng-s3cr3t-pa55word"
+#: Every logger a connection goes through, each set to DEBUG (the root one included).
+LOGGERS = ("", "redis", "asyncio", "aiokafka", "faust", "mode", "spendgate", "test")
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +66,7 @@ def _private(tmp_path: Path, name: str, text: str) -> Path:
 def client_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate and its (unencrypted) key."""
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+        _unavailable("openssl is not installed")
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "client.pem", folder / "client.key"
     subprocess.run(
@@ -65,6 +75,38 @@ def client_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls_server(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[tuple[tls_redis.Pki, int]]:
+    """A real redis-server of this module's own (``tests.fixtures.tls_redis``): TLS only,
+    client certificates required, the ``default`` user off; its PKI and TLS port."""
+    started = time.monotonic()
+    folder = tmp_path_factory.mktemp("tls-redis")
+    pki = tls_redis.make_pki(folder)
+    servers = tls_redis.Servers(folder)
+    try:
+        port = free_port()
+        servers.start(tls_redis.server_args(pki, port), port, "redis")
+        say(pytestconfig, f"TLS redis-server up in {time.monotonic() - started:.1f} s")
+        yield pki, port
+    finally:
+        servers.stop()
+
+
+def _shown(exc: BaseException) -> str:
+    """Everything an error shows: ``str`` and ``repr`` of it and of each error it was
+    raised from or while handling, and its whole traceback."""
+    parts: list[str] = []
+    seen: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in seen:
+        seen.append(cause)
+        parts += [str(cause), repr(cause), *traceback.format_exception(cause)]
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(parts)
 
 
 def _refusal(**env: str) -> str:
@@ -259,17 +301,70 @@ class TestSecrets:
         env = RedisSettings(redis_password=PASSWORD)
         assert PASSWORD not in repr(env) and PASSWORD not in repr(env.redis())
 
-    async def test_never_logged(self, caplog: pytest.LogCaptureFixture) -> None:
-        caplog.set_level(logging.DEBUG)
-        conn = RedisConnection(
-            url=f"redis://spendgate:{PASSWORD}@127.0.0.1:1/0",
-        )
-        logging.getLogger("test").info("connecting to %s (%r)", conn, conn)
-        client = redis_connect.async_client(conn, socket_connect_timeout=0.5)
-        assert await redis_connect.check(client, conn) is False  # nobody listens
-        await client.aclose()
+    @pytest.mark.integration
+    async def test_never_logged(
+        self, tls_server: tuple[tls_redis.Pki, int], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """At DEBUG on every logger, a real TLS redis-server with an ACL user is given its
+        password (let in) and a wrong one (refused at AUTH), by the asyncio and the
+        blocking client: neither is in a log line or in an error's text."""
+        for name in LOGGERS:
+            caplog.set_level(logging.DEBUG, logger=name)
+        pki, port = tls_server
+        right = RedisSettings(**tls_redis.redis_settings(pki, port)).redis()
+        # The wrong one the old way, inside the URL (taken out of it into the field).
+        url = f"rediss://{tls_redis.USER}:{WRONG_PASSWORD}@127.0.0.1:{port}/0"
+        settings = tls_redis.redis_settings(pki, port, redis_url=url, redis_password_file=None)
+        wrong = RedisSettings(**settings).redis()
+        logging.getLogger("test").info("connecting to %s (%r) and %s (%r)", right, right,
+                                       wrong, wrong)  # fmt: skip
+        errors: list[BaseException] = []
+
+        # The right password: the start check, a write and a read are let in.
+        client = redis_connect.async_client(right, socket_timeout=10)
+        try:
+            assert await redis_connect.check(client, right) is True
+            key = f"sg-secret-test:{os.getpid()}"
+            await client.set(key, b"1", ex=60)
+            assert await client.get(key) == b"1"
+        finally:
+            await client.aclose()
+        blocking = redis_connect.client(right, socket_timeout=10)
+        try:
+            assert blocking.ping() is True
+        finally:
+            blocking.close()
+
+        # A wrong one: refused at AUTH, by each client.
+        client = redis_connect.async_client(wrong, socket_timeout=10)
+        try:
+            with pytest.raises(ConfigurationError) as refused:
+                await redis_connect.check(client, wrong)
+            with pytest.raises(AuthenticationError) as failed:
+                await client.ping()
+        finally:
+            await client.aclose()
+        assert f"refused user {tls_redis.USER!r} with a password" in str(refused.value)
+        errors += [refused.value, failed.value]
+        blocking = redis_connect.client(wrong, socket_timeout=10)
+        try:
+            with pytest.raises(AuthenticationError) as failed:
+                blocking.ping()
+        finally:
+            blocking.close()
+        errors.append(failed.value)
+
+        # At DEBUG: redis-py's connections log there (after AUTH, in this version).
+        assert all(logging.getLogger(name).isEnabledFor(logging.DEBUG) for name in
+                   ("redis.connection", "redis.asyncio.connection"))  # fmt: skip
         assert caplog.records
-        assert PASSWORD not in caplog.text
+        secrets = {"right": tls_redis.PASSWORD, "wrong": WRONG_PASSWORD}
+        leaks = [f"the {which} password is in the log" for which, secret in secrets.items()
+                 if secret in caplog.text]  # fmt: skip
+        leaks += [f"the {which} password is in {type(exc).__name__}: {exc}"
+                  for which, secret in secrets.items()
+                  for exc in errors if secret in _shown(exc)]  # fmt: skip
+        assert not leaks, leaks
 
 
 _MODULES = ("redis", "redis.asyncio", "redis.cluster", "redis.asyncio.cluster", "redis.client")
