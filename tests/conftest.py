@@ -34,6 +34,7 @@ pytest_plugins = [
     "tests.fixtures.dashboard",
     "tests.fixtures.litellm_stack",
     "tests.fixtures.cluster",
+    "tests.fixtures.blackhole",
 ]
 
 # The suite writes its tokens and secret files as an operator must (admission refuses a
