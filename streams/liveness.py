@@ -95,13 +95,14 @@ class Liveness:
         with self._lock:
             self._held[agent] = Held(records, now, now)
 
-    def progressed(self, agent: str) -> None:
-        """``agent``'s batch moved (a store error answered, records read back, a part
-        sent): its stall clock starts over."""
+    def progressed(self, agent: str, ahead_s: float = 0.0) -> None:
+        """``agent``'s batch moved (a store error answered, records read back): its stall
+        clock starts over, ``ahead_s`` from now (a backoff it sleeps before its next try
+        is no stall)."""
         now = self.clock()
         with self._lock:
             if (held := self._held.get(agent)) is not None:
-                self._held[agent] = Held(held.records, held.since, now)
+                self._held[agent] = Held(held.records, held.since, now + ahead_s)
 
     def done(self, agent: str) -> None:
         """``agent``'s batch is written (or given up): it holds nothing."""
@@ -138,7 +139,7 @@ class Liveness:
             f"the event loop has not run for {now - beat:.1f} s",
         )
         for agent, h in sorted(held.items()):
-            idle = now - h.progress
+            idle = max(0.0, now - h.progress)
             if idle > worst[0]:
                 worst = (
                     idle,

@@ -160,9 +160,9 @@ async def _until_written(
         except Exception as exc:
             if not store_fault(exc):
                 raise
-            retry.failed(exc)
+            delay = retry.failed(exc)
             if liveness is not None:
-                liveness.progressed(retry.task)
+                liveness.progressed(retry.task, ahead_s=delay)
             await retry.wait()
         else:
             retry.succeeded()
