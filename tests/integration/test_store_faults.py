@@ -6,6 +6,11 @@ and started again empty while usage keeps arriving: the worker process lives and
 shows no crash, the marks vouch for every partition again within one staleness bound of
 Redis coming back, and the windows hold exactly what was produced (nothing lost, nothing
 counted twice), on a key local to its tenant and on one spanning tenants.
+
+The worker runs with a stall bound and an exit bound (issue 52) both shorter than the
+outage: every store error is an answer and its backoff no stall, so ``/healthz`` answers
+200 all through it and the worker does not exit (a Redis outage must not restart every
+worker at once; ``/readyz`` answers 503 meanwhile).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -44,6 +50,12 @@ TENANTS = [f"t{i}" for i in range(6)]
 STALENESS_S = 30.0
 #: How long Redis stays down while usage keeps arriving.
 OUTAGE_S = 6.0
+#: The worker's stall and exit bounds, both shorter than the outage.
+BOUNDS = {
+    "SPENDGATE_WORKER_KAFKA_WAIT_S": "2",
+    "SPENDGATE_WORKER_STALL_S": "2.5",
+    "SPENDGATE_WORKER_EXIT_S": "4",
+}
 
 
 def _commit(tenant: str, amount: int) -> bytes:
@@ -95,7 +107,7 @@ class TestRedisOutage:
         prefix = settings.redis_prefix
         client = redis.Redis.from_url(own_redis.url, socket_timeout=2)
         port = free_port()
-        proc = workers.start(metrics_port=port)
+        proc = workers.start(metrics_port=port, env=BOUNDS)
         sent: Counter[str] = Counter()
         topic = settings.topic("usage")
 
@@ -131,9 +143,19 @@ class TestRedisOutage:
             # The outage, usage arriving all along (and the drift check due on live keys).
             own_redis.stop()
             stopped = time.monotonic()
-            while time.monotonic() - stopped < OUTAGE_S:
-                await send(12)
-                await asyncio.sleep(0.5)
+            probes: Counter[int] = Counter()
+            async with httpx.AsyncClient(timeout=2) as http:
+                while time.monotonic() - stopped < OUTAGE_S:
+                    await send(12)
+                    for _ in range(2):
+                        try:
+                            answer = await http.get(f"http://127.0.0.1:{port}/healthz")
+                            probes[answer.status_code] += 1
+                        except httpx.HTTPError:
+                            probes[0] += 1  # no answer: the worker is gone
+                        await asyncio.sleep(0.25)
+            assert proc.poll() is None, "the worker exited during the outage"
+            assert set(probes) == {200}, f"/healthz during the outage: {dict(probes)}"
             own_redis.start()  # empty: no persistence
             back = time.monotonic()
 
