@@ -772,6 +772,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=45.0,
         help="the same for a pause that began after the kill (default 45)",
     )
+    ap.add_argument(
+        "--cluster-port",
+        type=int,
+        default=CLUSTER_PORT,
+        help=f"node 1's client port (controllers +100, SASL_SSL replication +200; default "
+        f"{CLUSTER_PORT}): two series at once need their own",
+    )
     ap.add_argument("--out", type=Path, required=True, help="results file (JSON lines, appended)")
     ap.add_argument(
         "--work-dir",
@@ -798,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     brokers, security = STACKS[args.stack]
     settings = KafkaClusterSettings(
-        kafka_cluster_port=CLUSTER_PORT, stack_dir=args.work_dir / "kafka"
+        kafka_cluster_port=args.cluster_port, stack_dir=args.work_dir / "kafka"
     )
     cluster = Cluster(LocalKafkaCluster(settings, brokers, security), security)  # type: ignore[arg-type]
     sha = git_sha(Path.cwd())
@@ -810,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()  # leftovers of an interrupted series (recorded pids only)
         cluster.kafka.wipe()
         cluster.wait_ports_free(30)
-        say(f"{args.stack}: starting {brokers} broker(s) ({security}) on {CLUSTER_PORT}...")
+        say(f"{args.stack}: starting {brokers} broker(s) ({security}) on {args.cluster_port}...")
         up = time.monotonic()
         cluster.kafka.up()
         say(f"cluster up in {time.monotonic() - up:.1f} s")
