@@ -152,6 +152,7 @@ def run_worker(settings: WorkerSettings) -> None:
         grace_s=settings.worker_stop_grace_s,
     )
     loop.call_soon(_beat, loop, liveness, app)
+    liveness.beat()  # the set-up above is no stall; the loop beats from its first step on
     watchdog.start()
     execute(worker)
 
