@@ -66,7 +66,9 @@ class Watchdog:
         self._dumped = False
         self._stop_by: float | None = None
         self._grace_s = 0.0
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler (``stopping``) runs in the main thread, maybe
+        # while that thread holds the lock in ``first_dump``.
+        self._lock = threading.RLock()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
