@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
 
     from spendgate.dashboard.views import KeyRow
     from spendgate.schemas.policies import Policy
+    from spendgate.schemas.status import StackStatus
     from spendgate.simulate_report import Report
     from spendgate.streams.settings import WorkerSettings
 
@@ -36,7 +38,23 @@ def without_password(url: str) -> str:
 _STATE_STYLE = {"vouched": "green", "stale": "yellow", "missing": "red"}
 
 
-def print_decidability(out: Console) -> None:
+@dataclass(frozen=True)
+class Decidability:
+    """The partition marks under a Redis prefix as admission sees them, or why unread."""
+
+    prefix: str
+    status: StackStatus | None
+    #: Why Redis could not be read (``status`` is None).
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """``dev status --output json``'s ``decidable`` object."""
+        if self.status is None:
+            return {"prefix": self.prefix, "error": self.error}
+        return {"prefix": self.prefix, **self.status.model_dump(mode="json")}
+
+
+def read_decidability() -> Decidability:
     """The partition marks of the default settings' Redis prefix, as admission sees them."""
     import redis
 
@@ -54,11 +72,20 @@ def print_decidability(out: Console) -> None:
     except redis.RedisError as exc:
         error = redis_connect.explain(exc, conn)
         shown = str(error) if error else f"Redis at {conn.redacted()}: {exc}"
-        say("decidable:", "yellow", f"unknown ({shown})", out=out)
-        return
+        return Decidability(settings.redis_prefix, None, shown)
     finally:
         client.close()
-    where = f"prefix {settings.redis_prefix!r}, staleness bound {status.staleness_ms} ms"
+    return Decidability(settings.redis_prefix, status)
+
+
+def print_decidability(out: Console) -> None:
+    """The partition marks of the default settings' Redis prefix, as admission sees them."""
+    read = read_decidability()
+    status = read.status
+    if status is None:
+        say("decidable:", "yellow", f"unknown ({read.error})", out=out)
+        return
+    where = f"prefix {read.prefix!r}, staleness bound {status.staleness_ms} ms"
     if status.decidable:
         say("decidable:", "green", f"yes ({where}, {status.policies} policies)", out=out)
     else:
@@ -78,7 +105,29 @@ def print_decidability(out: Console) -> None:
     out.print(marks)
 
 
-def print_worker_readiness(out: Console) -> None:
+@dataclass(frozen=True)
+class Readiness:
+    """What the worker's /readyz answered on its metrics port (default settings)."""
+
+    #: None: the metrics port is off (SPENDGATE_METRICS_PORT=0).
+    url: str | None
+    status_code: int | None = None
+    body: Any = None
+    #: Why there was no answer (the exception's type).
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """``dev status --output json``'s ``worker`` object."""
+        return {
+            "url": self.url,
+            "ready": None if self.status_code is None else self.status_code == 200,
+            "status_code": self.status_code,
+            "body": self.body,
+            "error": self.error,
+        }
+
+
+def read_worker_readiness() -> Readiness:
     """The worker's /readyz on its metrics port (default settings), when it answers."""
     import httpx
 
@@ -86,18 +135,29 @@ def print_worker_readiness(out: Console) -> None:
 
     port = WorkerSettings().metrics_port
     if not port:
-        say("worker:", "yellow", "metrics port off (SPENDGATE_METRICS_PORT=0)", out=out)
-        return
+        return Readiness(None, error="metrics port off (SPENDGATE_METRICS_PORT=0)")
     url = f"http://127.0.0.1:{port}/readyz"
     try:
         answer = httpx.get(url, timeout=1.0)
         body = answer.json()
     except (httpx.HTTPError, ValueError) as exc:
-        say("worker:", "yellow", f"no answer at {url} ({type(exc).__name__})", out=out)
+        return Readiness(url, error=type(exc).__name__)
+    return Readiness(url, answer.status_code, body)
+
+
+def print_worker_readiness(out: Console) -> None:
+    """The worker's /readyz on its metrics port (default settings), when it answers."""
+    read = read_worker_readiness()
+    url, body = read.url, read.body
+    if url is None:
+        say("worker:", "yellow", "metrics port off (SPENDGATE_METRICS_PORT=0)", out=out)
+        return
+    if read.status_code is None:
+        say("worker:", "yellow", f"no answer at {url} ({read.error})", out=out)
         return
     owned = body.get("partitions", []) if isinstance(body, dict) else []
     detail = ", ".join(f"{p.get('field')} {p.get('state')}" for p in owned) or "no partitions"
-    if answer.status_code == 200:
+    if read.status_code == 200:
         say("worker:", "green", f"ready at {url}: {detail}", out=out)
     else:
         assigned = body.get("assigned") if isinstance(body, dict) else None

@@ -15,22 +15,52 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Annotated
 
 import typer
 
 from spendgate._cli_output import say
 from spendgate.cli import budgets, demo, dev, policy, replay, serve
+from spendgate.cli._options import CONTEXT, WholeHelpGroup
 from spendgate.schemas.exceptions import SpendgateError
 
 __all__ = ["app", "main", "say"]
 
 app = typer.Typer(
+    cls=WholeHelpGroup,
     help="Rolling-window spend budgets for LLM inference.",
     add_completion=False,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
     rich_markup_mode=None,
+    context_settings=CONTEXT,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"spendgate {version('spendgate')}")
+        raise typer.Exit
+
+
+@app.callback()
+def _root(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            expose_value=False,
+            callback=_print_version,
+            help="Print the installed version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Options before any command."""
+
+
 app.command("key-id")(policy.key_id)
 app.command("worker")(serve.worker)
 app.command("admission")(serve.admission)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from spendgate._cli_output import budget_table
-from spendgate.cli._options import group
+from spendgate.cli._options import Output, echo_json, group
+
+if TYPE_CHECKING:
+    from spendgate.dashboard.views import KeyRow
 
 __all__ = ["alerts", "budgets"]
 
@@ -31,6 +34,7 @@ def budgets(
         bool, typer.Option("--watch", help="Refresh in place every --interval seconds.")
     ] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.2, help="Refresh period.")] = 2.0,
+    output: Output = "table",
 ) -> None:
     """The budgets nearest their limits: used/limit, Retry-After now and exhausts_in.
 
@@ -38,6 +42,10 @@ def budgets(
     index entry whose window expired is dropped, as the dashboard does). Retry-After is
     when one more unit fits (never: not by ageing alone); exhausts in is the burn-rate
     forecast (README, Forecasts).
+
+    --output json: a list of the keys (policy, key, tenant, unit, limit, used, reserved,
+    window_seconds, retry_after_seconds: -1 never, exhausts_in_seconds, share); with
+    --watch, one such list per line at every refresh.
     """
     import asyncio
     import time
@@ -57,8 +65,8 @@ def budgets(
     # Keys carry key ids of secret fields: a raw value given here is looked up as its id.
     pairs = settings.key_ids().query(pairs)
 
-    def render() -> Table:
-        rows = asyncio.run(
+    def read() -> list[KeyRow]:
+        return asyncio.run(
             top_budgets(
                 settings.redis(),
                 settings.redis_prefix,
@@ -68,8 +76,17 @@ def budgets(
                 subject=pairs,
             )
         )
-        return budget_table(rows)
 
+    def render() -> Table:
+        return budget_table(read())
+
+    if output == "json":
+        echo_json([r.as_json() for r in read()], stream=watch)
+        with contextlib.suppress(KeyboardInterrupt):
+            while watch:
+                time.sleep(interval)
+                echo_json([r.as_json() for r in read()], stream=True)
+        return
     out = Console()
     if not watch:
         out.print(render())
@@ -91,8 +108,12 @@ def alerts_tail(
     follow: Annotated[
         bool, typer.Option("--follow/--no-follow", help="Keep waiting for new alerts.")
     ] = True,
+    output: Output = "table",
 ) -> None:
-    """Print alerts from the alerts topic, one readable line each."""
+    """Print alerts from the alerts topic, one readable line each.
+
+    --output json: one JSON object per line, each alert as it is on the topic.
+    """
     import asyncio
 
     from spendgate.streams.alert_feed import describe, read_alerts
@@ -107,7 +128,10 @@ def alerts_tail(
             from_beginning=from_beginning,
             follow=follow,
         ):
-            Console().print(describe(alert), soft_wrap=True, highlight=False, markup=False)
+            if output == "json":
+                echo_json(alert.model_dump(mode="json"), stream=True)
+            else:
+                Console().print(describe(alert), soft_wrap=True, highlight=False, markup=False)
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())

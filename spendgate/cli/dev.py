@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from spendgate._cli_output import console, print_decidability, print_worker_readiness, say
-from spendgate.cli._options import group
+from spendgate._cli_output import (
+    console,
+    print_decidability,
+    print_worker_readiness,
+    read_decidability,
+    read_worker_readiness,
+    say,
+)
+from spendgate.cli._options import Output, echo_json, group
 
 if TYPE_CHECKING:
     from spendgate.devkafka import LocalKafkaCluster
@@ -135,15 +144,36 @@ def dev_down(
 
 
 @dev.command("status")
-def dev_status(brokers: Brokers = 1, security: Security = "plaintext") -> None:
+def dev_status(
+    brokers: Brokers = 1, security: Security = "plaintext", output: Output = "table"
+) -> None:
     """Show whether the local Kafka and Redis are running, their pids, ports and logs; then
     whether the stack can decide (every partition mark vouched, read from Redis as
     GET /v1/status reads it) and the worker's readiness (its /readyz on the metrics port).
 
-    With --brokers/--security: that stack's Kafka nodes only."""
+    With --brokers/--security: that stack's Kafka nodes only. --output json: an object of
+    services (or nodes), decidable (GET /v1/status's body and the prefix, or an error) and
+    worker (its /readyz: url, ready, status_code, body, or an error)."""
     from spendgate.devstack import KAFKA_VERSION, LocalStack, StackSettings
 
     kafka = _kafka_cluster(brokers, security)
+    if output == "json":
+        if kafka is not None:
+            nodes = [{**_fields(n), "version": KAFKA_VERSION} for n in kafka.status()]
+            echo_json({"nodes": nodes})
+            return
+        services = [
+            {**_fields(s), **({"version": KAFKA_VERSION} if s.name == "kafka" else {})}
+            for s in LocalStack(StackSettings()).status()
+        ]
+        echo_json(
+            {
+                "services": services,
+                "decidable": read_decidability().as_json(),
+                "worker": read_worker_readiness().as_json(),
+            }
+        )
+        return
     if kafka is not None:
         nodes_table = Table("node", "state", "pid", "port", "log")
         for n in kafka.status():
@@ -163,6 +193,11 @@ def dev_status(brokers: Brokers = 1, security: Security = "plaintext") -> None:
     out.print(table)
     print_decidability(out)
     print_worker_readiness(out)
+
+
+def _fields(status: Any) -> dict[str, Any]:
+    """A status dataclass as JSON values (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(status).items()}
 
 
 @cluster.command("up")
@@ -197,11 +232,16 @@ def cluster_down(
 
 
 @cluster.command("status")
-def cluster_status() -> None:
-    """Show each node's pid, port, role and log, and whether the cluster is healthy."""
+def cluster_status(output: Output = "table") -> None:
+    """Show each node's pid, port, role and log, and whether the cluster is healthy.
+
+    --output json: an object of nodes and healthy."""
     from spendgate.devcluster import ClusterSettings, LocalCluster
 
     nodes = LocalCluster(ClusterSettings())
+    if output == "json":
+        echo_json({"nodes": [_fields(s) for s in nodes.status()], "healthy": nodes.healthy()})
+        return
     table = Table("node", "state", "role", "pid", "log")
     for s in nodes.status():
         state = "[green]running[/]" if s.running else "[red]stopped[/]"

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spendgate._cli_output import console, say
-from spendgate.cli._options import group
+from spendgate.cli._options import Output, echo_json, group
 
 __all__ = ["key_id", "policy", "schema"]
 
@@ -41,11 +41,18 @@ def policy_apply(
 
 
 @policy.command("list")
-def policy_list() -> None:
-    """List the policies in force (waiting for Kafka at most SPENDGATE_POLICY_TIMEOUT_S)."""
+def policy_list(output: Output = "table") -> None:
+    """List the policies in force (waiting for Kafka at most SPENDGATE_POLICY_TIMEOUT_S).
+
+    --output json: a list of the policies, every field (as `policy apply` reads them).
+    """
     from spendgate.streams.policy_admin import list_policies, policy_settings
 
     settings = policy_settings()
+    if output == "json":
+        listed = list_policies(settings, timeout_s=settings.policy_timeout_s)
+        echo_json([p.model_dump(mode="json") for p in listed])
+        return
     table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
     for p in list_policies(settings, timeout_s=settings.policy_timeout_s):
         # Text cells: a match like {model: [a, b]} is data, not markup.

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from spendgate._cli_output import console, print_simulation, say
+from spendgate.cli._options import Output
 
 __all__ = ["replay", "simulate"]
 
@@ -30,12 +31,15 @@ def simulate(
     compare: Annotated[
         bool, typer.Option("--compare", help="Print the policies in force beside the draft.")
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON (as --output json).")
+    ] = False,
     chart_file: Annotated[
         Path | None,
         typer.Option("--chart", help="Write a PNG of the top keys' windows to this file."),
     ] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Top keys per policy.")] = 5,
+    output: Output = "table",
 ) -> None:
     """Replay the usage and refusals history against draft policies; nothing is written.
 
@@ -75,7 +79,7 @@ def simulate(
         )
     if chart_file is not None:
         chart(report, str(chart_file), top=top)
-    if as_json:
+    if as_json or output == "json":
         typer.echo(dumps(report, top))
         return
     out = Console()
