@@ -776,8 +776,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cluster-port",
         type=int,
         default=CLUSTER_PORT,
-        help=f"node 1's client port (controllers +100, SASL_SSL replication +200; default "
-        f"{CLUSTER_PORT}): two series at once need their own",
+        help=f"node 1's client port, at most 32000 (controllers +100, SASL_SSL "
+        f"replication +200; default {CLUSTER_PORT}): two series at once need their own",
     )
     ap.add_argument("--out", type=Path, required=True, help="results file (JSON lines, appended)")
     ap.add_argument(
