@@ -17,27 +17,57 @@ class DashboardSettings(KafkaSettings, RedisSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    topic_prefix: str = "budget."
-    redis_prefix: str = "sg:"
-    dashboard_host: str = "127.0.0.1"
-    dashboard_port: int = Field(8788, ge=1, le=65535)
-    #: The tokens file admission uses (token -> [tenants], "*" or "operator"); none: the
-    #: page is open to whoever reaches it, which only a loopback address allows unless
-    #: ``allow_unauthenticated``. Mode 600.
-    auth_tokens_file: Path | None = None
-    #: Listen beyond loopback without a tokens file (whoever reaches it sees every tenant).
-    allow_unauthenticated: Switch = False
-    #: Where the admission service's and the worker's Prometheus metrics are scraped.
-    admission_metrics_url: str = "http://127.0.0.1:8787/metrics"
-    worker_metrics_url: str = "http://127.0.0.1:9464/metrics"
-    #: How often the metrics are scraped (and refusals per second computed).
-    scrape_s: float = Field(1.0, gt=0)
-    #: How long a browser session lasts after sign-in.
-    session_ttl_s: float = Field(8 * 3600.0, gt=0)
-    #: How many of the latest alerts and refusals the page can show.
-    feed_size: int = Field(200, ge=1, le=10_000)
-    #: Set the session cookie's Secure flag (serve the page behind HTTPS then).
-    secure_cookie: bool = False
+    topic_prefix: str = Field(
+        "budget.",
+        description="Prefix of every topic spendgate uses (the dashboard reads `alerts` and "
+        "`refusals`).",
+    )
+    redis_prefix: str = Field(
+        "sg:", description="Prefix of every Redis key spendgate writes (one deployment each)."
+    )
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="Where the dashboard listens; beyond loopback only with a tokens file or "
+        "`SPENDGATE_ALLOW_UNAUTHENTICATED` (`--host`).",
+    )
+    dashboard_port: int = Field(8788, ge=1, le=65535, description="The dashboard's port.")
+    auth_tokens_file: Path | None = Field(
+        None,
+        description='The tokens file admission uses (token -> [tenants], `"*"` or '
+        "`operator`); none: the page is open to whoever reaches it, which only a loopback "
+        "address allows unless `SPENDGATE_ALLOW_UNAUTHENTICATED`. Mode 600.",
+    )
+    allow_unauthenticated: Switch = Field(
+        False,
+        description="Listen beyond loopback without a tokens file (whoever reaches it sees "
+        "every tenant; `--allow-unauthenticated`).",
+    )
+    admission_metrics_url: str = Field(
+        "http://127.0.0.1:8787/metrics",
+        description="Where the admission service's Prometheus metrics are scraped.",
+    )
+    worker_metrics_url: str = Field(
+        "http://127.0.0.1:9464/metrics",
+        description="Where the worker's Prometheus metrics are scraped.",
+    )
+    scrape_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often the metrics are scraped (and refusals per second computed).",
+    )
+    session_ttl_s: float = Field(
+        8 * 3600.0, gt=0, description="How long a browser session lasts after sign-in."
+    )
+    feed_size: int = Field(
+        200,
+        ge=1,
+        le=10_000,
+        description="How many of the latest alerts and refusals the page can show.",
+    )
+    secure_cookie: bool = Field(
+        False,
+        description="Set the session cookie's Secure flag (serve the page behind HTTPS then).",
+    )
 
     def topic(self, name: str) -> str:
         """The full name of one of spendgate's topics (``alerts`` -> ``budget.alerts``)."""

@@ -218,25 +218,57 @@ class KafkaSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    kafka_bootstrap: str = "127.0.0.1:9092"
-    kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
-    kafka_sasl_mechanism: SaslMechanism | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: SecretStr | None = None
-    #: A file holding the SASL password (mode 600; surrounding whitespace ignored).
-    kafka_sasl_password_file: Path | None = None
-    kafka_ssl_cafile: Path | None = None
-    kafka_ssl_certfile: Path | None = None
-    kafka_ssl_keyfile: Path | None = None
-    kafka_ssl_key_password: SecretStr | None = None
-    kafka_ssl_key_password_file: Path | None = None
-    #: Replicas of every topic created, faust's changelogs included (production: 3).
-    kafka_replication_factor: int = Field(1, ge=1)
-    #: ``min.insync.replicas`` of those topics (production: 2): with ``acks=all`` an
-    #: acknowledged record is then on two brokers' disks.
-    kafka_min_insync_replicas: int = Field(1, ge=1)
-    #: Start although an existing topic has fewer replicas than asked (a warning instead).
-    kafka_allow_under_replicated: Switch = False
+    kafka_bootstrap: str = Field(
+        "127.0.0.1:9092", description="The brokers to bootstrap from: `host:port[,host:port...]`."
+    )
+    kafka_security_protocol: SecurityProtocol = Field(
+        "PLAINTEXT", description="How clients connect to the brokers."
+    )
+    kafka_sasl_mechanism: SaslMechanism | None = Field(
+        None, description="The SASL mechanism (needed with `SASL_PLAINTEXT` and `SASL_SSL`)."
+    )
+    kafka_sasl_username: str | None = Field(None, description="The SASL user (needed with SASL).")
+    kafka_sasl_password: SecretStr | None = Field(
+        None,
+        description="The SASL password (with SASL, this or `SPENDGATE_KAFKA_SASL_PASSWORD_FILE`"
+        "); never logged.",
+    )
+    kafka_sasl_password_file: Path | None = Field(
+        None,
+        description="A file holding the SASL password (mode 600; surrounding whitespace ignored).",
+    )
+    kafka_ssl_cafile: Path | None = Field(
+        None,
+        description="PEM bundle trusted for the brokers' certificates (none: the system's CAs).",
+    )
+    kafka_ssl_certfile: Path | None = Field(
+        None, description="Client certificate (PEM), when the brokers ask for one."
+    )
+    kafka_ssl_keyfile: Path | None = Field(None, description="The client certificate's key (PEM).")
+    kafka_ssl_key_password: SecretStr | None = Field(
+        None, description="The client key's password, if it has one; never logged."
+    )
+    kafka_ssl_key_password_file: Path | None = Field(
+        None,
+        description="A file holding the client key's password (mode 600; surrounding "
+        "whitespace ignored).",
+    )
+    kafka_replication_factor: int = Field(
+        1,
+        ge=1,
+        description="Replicas of every topic created, faust's changelogs included (production: 3).",
+    )
+    kafka_min_insync_replicas: int = Field(
+        1,
+        ge=1,
+        description="`min.insync.replicas` of those topics (production: 2): with `acks=all` "
+        "an acknowledged record is then on two brokers' disks.",
+    )
+    kafka_allow_under_replicated: Switch = Field(
+        False,
+        description="Start although an existing topic has fewer replicas than asked (a "
+        "warning instead of a refusal).",
+    )
 
     def kafka(self) -> KafkaConnection:
         """The connection these settings describe (secret files are read on each call:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spendgate.schemas.exceptions import ConfigurationError
@@ -96,13 +96,21 @@ class SubjectSecretSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    #: The HMAC key of the key ids (every service of a deployment must share it); or
-    #: ``subject_secret_file``. Neither: the public built-in secret, with a warning.
-    subject_secret: SecretStr | None = None
-    #: A file holding the subject secret (mode 600; surrounding whitespace ignored).
-    subject_secret_file: Path | None = None
-    #: Comma-separated subject fields stored only as key ids (``""``: none).
-    secret_fields: str = "api_key"
+    subject_secret: SecretStr | None = Field(
+        None,
+        description="The HMAC key of the key ids (every service of a deployment must share "
+        "it; at least 16 bytes); or `SPENDGATE_SUBJECT_SECRET_FILE`. Neither: the public "
+        "built-in secret, with a warning.",
+    )
+    subject_secret_file: Path | None = Field(
+        None,
+        description="A file holding the subject secret (mode 600; surrounding whitespace ignored).",
+    )
+    secret_fields: str = Field(
+        "api_key",
+        description="Comma-separated subject fields stored only as key ids (`api_key`, "
+        "`team`, `project`, `user`, `env`, `labels.NAME`; empty: none).",
+    )
 
     def key_ids(self) -> KeyIds:
         """The key ids these settings describe.

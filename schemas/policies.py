@@ -56,9 +56,12 @@ class Burst(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rate: Limit
-    per: Duration = "1s"
-    capacity: Limit
+    rate: Limit = Field(description="Tokens added per `per`, in the policy's unit.")
+    per: Duration = Field("1s", description="The refill period: at most 24h.")
+    capacity: Limit = Field(
+        description="The bucket's size, and how full it starts: a request for more never "
+        "fits. `capacity` x `per` (in ms) must stay within 2**53 - 1."
+    )
 
     @property
     def per_ms(self) -> int:
@@ -98,32 +101,118 @@ class Policy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: PolicyId
-    match: dict[SubjectFieldName, SubjectValue] = Field(
-        default_factory=dict, json_schema_extra=_match_schema
+    id: PolicyId = Field(
+        description="The policy's name: 1 to 64 of `a-z`, `0-9`, `.`, `_` and `-`. Applying "
+        "a policy with an id in force replaces that policy."
     )
-    group_by: list[SubjectFieldName] = Field(default_factory=list)
-    unit: Unit
-    limit: Limit
-    window: Duration = "24h"
-    bucket: Duration = "1m"
-    boundary: Boundary = "include"
-    mode: Mode = "enforce"
-    on_exceed: OnExceed = "reject"
-    downgrade_to: SubjectValue | None = None
-    route_to: SubjectValue | None = None
-    max_delay: Duration | None = None
-    burst: Burst | None = None
-    alerts: list[Threshold] = Field(default_factory=lambda: [0.5, 0.8, 1.0])
-    overage: OverageMode = "record"
-    failure: FailureMode = "closed"
-    degraded_allowance: Fraction = 0.1
-    reservation_ttl: Duration = "15m"
-    count_cached_input: StrictBool = True
-    unpriced: Unpriced = "reject"
-    #: Alert (kind ``forecast``) when the key is predicted to exhaust within this horizon
-    #: at its recent burn rate (``schemas.forecast``); none: no forecast alerts.
-    forecast: Duration | None = None
+    match: dict[SubjectFieldName, SubjectValue] = Field(
+        default_factory=dict,
+        json_schema_extra=_match_schema,
+        description="Which requests the policy counts: subject field -> exact value or glob "
+        "(`*`, `?`, `[...]`); every entry must match. `{}` matches every request. A secret "
+        "field (`api_key` by default) takes an exact value or `*`, never a glob.",
+    )
+    group_by: list[SubjectFieldName] = Field(
+        default_factory=list,
+        description="Subject fields whose values split the policy into budget keys, one "
+        "counter per combination (`[tenant]`: one per tenant); `[]`: one counter for every "
+        "matching request. Unique.",
+    )
+    unit: Unit = Field(
+        description="What is counted: `requests`, `input_tokens`, `output_tokens`, "
+        "`total_tokens` (input + output, and cached input unless `count_cached_input` is "
+        "false), `cost_usd` (micro-dollars) or `gpu_seconds` (milli-GPU-seconds)."
+    )
+    limit: Limit = Field(
+        description="The most of `unit` any trailing `window` may hold: a whole number from 1 "
+        'to 2**53 - 1 (`true` or `"1000"` are refused, not coerced).'
+    )
+    window: Duration = Field(
+        "24h", description="The trailing window's length, 30s to 31d (`30s`, `1h`, `7d`)."
+    )
+    bucket: Duration = Field(
+        "1m",
+        description="Width of the buckets the window is kept in: whole seconds that divide "
+        "`window`. A window total is off by at most one bucket's usage (see `boundary`).",
+    )
+    boundary: Boundary = Field(
+        "include",
+        description="How the oldest bucket, partly inside the window, counts: `include` in "
+        "full (never under-counts), `exclude` not at all (never over-counts), `prorate` by "
+        "its overlap.",
+    )
+    mode: Mode = Field(
+        "enforce",
+        description="`enforce` refuses; `observe` never refuses: the answer is 200 "
+        "`observe_reject`, saying what would have happened, and the usage still counts.",
+    )
+    on_exceed: OnExceed = Field(
+        "reject",
+        description="What a refusal does: `reject` (429 with `Retry-After`), `cap` (admit with "
+        "a smaller `max_output_tokens`), `downgrade` (re-check as the model `downgrade_to`), "
+        "`route` (re-check on the pool `route_to`) or `delay` (hold the request until it "
+        "fits, up to `max_delay`).",
+    )
+    downgrade_to: SubjectValue | None = Field(
+        None,
+        description="The model a refused request is re-checked as: required exactly when "
+        "`on_exceed` is `downgrade`; one model (not a glob) with a price in the catalog.",
+    )
+    route_to: SubjectValue | None = Field(
+        None,
+        description="The pool a refused request is re-checked on: required exactly when "
+        "`on_exceed` is `route`; one pool, not a glob.",
+    )
+    max_delay: Duration | None = Field(
+        None,
+        description="The longest `delay` holds a request: only with `on_exceed: delay`; at "
+        "most 60s (none: 5s).",
+    )
+    burst: Burst | None = Field(
+        None,
+        description="A token bucket beside the window, on the same budget key and unit: a "
+        "request needs room in both (none: no bucket).",
+    )
+    alerts: list[Threshold] = Field(
+        default_factory=lambda: [0.5, 0.8, 1.0],
+        description="Shares of `limit` (in (0, 1], ascending, unique) whose crossing "
+        "publishes an alert, once per crossing; it re-arms when usage falls back under.",
+    )
+    overage: OverageMode = Field(
+        "record",
+        description="A commit above everything its reservation held is charged in full and "
+        "alerted either way: `record` does only that; `cap_next` also scales the key's next "
+        "estimates by the observed ratio (at most 16x), decaying back to 1 over one window.",
+    )
+    failure: FailureMode = Field(
+        "closed",
+        description="How the policy decides when its window cannot be trusted (Redis "
+        "unreachable, or the worker's mark missing or stale): `closed` refuses (503), `open` "
+        "admits, `degraded` admits within `degraded_allowance` per admission process.",
+    )
+    degraded_allowance: Fraction = Field(
+        0.1,
+        description="With `failure: degraded`, the share of `limit` (in (0, 1]) one admission "
+        "process may admit per budget key while the window cannot be trusted.",
+    )
+    reservation_ttl: Duration = Field(
+        "15m",
+        description="How long an unsettled reservation is held before it is charged at its "
+        "estimate and a `reservation_expired` alert is sent: 1s to 24h.",
+    )
+    count_cached_input: StrictBool = Field(
+        True, description="Whether cached input tokens count in `total_tokens`."
+    )
+    unpriced: Unpriced = Field(
+        "reject",
+        description="A `cost_usd` policy meeting a model with no price: `reject` refuses the "
+        "request (422 naming the model), `charge_default` charges the catalog's `default`.",
+    )
+    forecast: Duration | None = Field(
+        None,
+        description="Alert (kind `forecast`) when the key is predicted to exhaust within "
+        "this horizon at its recent burn rate; at most `window` (none: no forecast alerts).",
+    )
 
     @property
     def window_ms(self) -> int:

@@ -193,20 +193,43 @@ class RedisSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    #: Kept out of ``repr``: an old-style URL may still carry a password.
-    redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
-    #: ``SPENDGATE_REDIS_URL`` names a node of a Redis Cluster: keys are laid out by
-    #: virtual shard (``schemas.layout``) and the cluster client is used; the same in
-    #: every service.
-    redis_cluster: Switch = False
-    redis_username: str | None = None
-    redis_password: SecretStr | None = None
-    #: A file holding the Redis password (mode 600; surrounding whitespace ignored).
-    redis_password_file: Path | None = None
-    redis_ssl_cafile: Path | None = None
-    redis_ssl_certfile: Path | None = None
-    redis_ssl_keyfile: Path | None = None
-    redis_ssl_check_hostname: Switch = True
+    # Kept out of ``repr``: an old-style URL may still carry a password.
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        repr=False,
+        description="`redis://host:port/db`, or `rediss://` for TLS; on a cluster any node "
+        "(db 0). Keep the password in `SPENDGATE_REDIS_PASSWORD(_FILE)`, not here.",
+    )
+    redis_cluster: Switch = Field(
+        False,
+        description="`SPENDGATE_REDIS_URL` names a node of a Redis Cluster: keys are laid out "
+        "by virtual shard and the cluster client is used; the same in every service.",
+    )
+    redis_username: str | None = Field(None, description="The ACL user (none: Redis's `default`).")
+    redis_password: SecretStr | None = Field(
+        None,
+        description="The Redis password (or `SPENDGATE_REDIS_PASSWORD_FILE`); never logged.",
+    )
+    redis_password_file: Path | None = Field(
+        None,
+        description="A file holding the Redis password (mode 600; surrounding whitespace ignored).",
+    )
+    redis_ssl_cafile: Path | None = Field(
+        None,
+        description="PEM bundle trusted for the server's certificate (`rediss://` only; "
+        "none: the system's CAs).",
+    )
+    redis_ssl_certfile: Path | None = Field(
+        None,
+        description="Client certificate (PEM), when the server asks for one "
+        "(`tls-auth-clients yes`).",
+    )
+    redis_ssl_keyfile: Path | None = Field(
+        None, description="The client certificate's unencrypted key (PEM)."
+    )
+    redis_ssl_check_hostname: Switch = Field(
+        True, description="The server's certificate must name the URL's host."
+    )
 
     def redis(self) -> RedisConnection:
         """The connection these settings describe (the password file is read on each call).

@@ -31,15 +31,31 @@ class ClusterSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    #: The first node's port. Keep it and its cluster bus (port + 10000) below the
-    #: ephemeral range, where no client's own port can take a node's place.
-    cluster_port: int = Field(7100, ge=1, le=55000)
-    cluster_masters: int = Field(3, ge=3, le=16)
-    cluster_replicas: int = Field(1, ge=0, le=2)
-    #: How long a master may be unreachable before its replica is promoted.
-    cluster_node_timeout_ms: int = Field(2000, ge=500)
-    stack_dir: Path = StackSettings.model_fields["stack_dir"].default
-    start_timeout_s: float = 60.0
+    cluster_port: int = Field(
+        7100,
+        ge=1,
+        le=55000,
+        description="`dev cluster`: the first node's port, the others on the next ones. Keep "
+        "it and its cluster bus (port + 10000) below the ephemeral range, where no client's "
+        "own port can take a node's place.",
+    )
+    cluster_masters: int = Field(3, ge=3, le=16, description="`dev cluster`: the masters.")
+    cluster_replicas: int = Field(
+        1, ge=0, le=2, description="`dev cluster`: replicas of each master."
+    )
+    cluster_node_timeout_ms: int = Field(
+        2000,
+        ge=500,
+        description="`dev cluster`: how long a master may be unreachable before its replica "
+        "is promoted (ms).",
+    )
+    stack_dir: Path = Field(
+        StackSettings.model_fields["stack_dir"].default,
+        description="Where the local stack keeps its data, pid files and logs.",
+    )
+    start_timeout_s: float = Field(
+        60.0, description="`dev cluster up`: how long to wait for the cluster to form."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,13 +54,28 @@ class KafkaClusterSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    #: Node 0's client port; controllers at +100, replication listeners at +200. Below
-    #: the ephemeral range, so no client's own port takes a stopped broker's place.
-    kafka_cluster_port: int = Field(29092, ge=1, le=32000)
-    cache_dir: Path = StackSettings.model_fields["cache_dir"].default
-    stack_dir: Path = StackSettings.model_fields["stack_dir"].default
-    kafka_cluster_heap: str = "384m"
-    start_timeout_s: float = 150.0
+    kafka_cluster_port: int = Field(
+        29092,
+        ge=1,
+        le=32000,
+        description="`dev up --brokers N`: node 0's client port, node i on port + i; "
+        "controllers at +100, replication listeners at +200. Below the ephemeral range, so "
+        "no client's own port takes a stopped broker's place.",
+    )
+    cache_dir: Path = Field(
+        StackSettings.model_fields["cache_dir"].default,
+        description="Where the Kafka jars fetched from Maven Central are cached (re-used).",
+    )
+    stack_dir: Path = Field(
+        StackSettings.model_fields["stack_dir"].default,
+        description="Where the local stack keeps its data, pid files and logs.",
+    )
+    kafka_cluster_heap: str = Field(
+        "384m", description="`dev up --brokers N`: each node's JVM heap (`-Xms` and `-Xmx`)."
+    )
+    start_timeout_s: float = Field(
+        150.0, description="`dev up --brokers N`: how long to wait for the nodes to answer."
+    )
 
 
 @dataclass(frozen=True, slots=True)

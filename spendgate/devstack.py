@@ -37,13 +37,27 @@ class StackSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_", frozen=True, extra="ignore")
 
-    kafka_port: int = Field(9092, ge=1, le=65535)
-    kafka_controller_port: int = Field(9093, ge=1, le=65535)
-    redis_port: int = Field(6379, ge=1, le=65535)
-    cache_dir: Path = Path.home() / ".cache" / "spendgate"
-    stack_dir: Path = Path.home() / ".local" / "state" / "spendgate" / "stack"
-    kafka_heap: str = "512m"
-    start_timeout_s: float = 90.0
+    kafka_port: int = Field(
+        9092, ge=1, le=65535, description="`dev up`: the local Kafka broker's client port."
+    )
+    kafka_controller_port: int = Field(
+        9093, ge=1, le=65535, description="`dev up`: the local Kafka's KRaft controller port."
+    )
+    redis_port: int = Field(6379, ge=1, le=65535, description="`dev up`: the local Redis's port.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "spendgate",
+        description="Where the Kafka jars fetched from Maven Central are cached (re-used).",
+    )
+    stack_dir: Path = Field(
+        Path.home() / ".local" / "state" / "spendgate" / "stack",
+        description="Where the local stack keeps its data, pid files and logs.",
+    )
+    kafka_heap: str = Field(
+        "512m", description="`dev up`: the local Kafka's JVM heap (`-Xms` and `-Xmx`)."
+    )
+    start_timeout_s: float = Field(
+        90.0, description="`dev up`: how long to wait for Kafka and Redis to answer."
+    )
 
     @property
     def kafka_libs(self) -> Path:

@@ -54,8 +54,13 @@ class PolicySettings(WorkerSettings):
     """The ``policy`` commands' settings: the worker's (Kafka, topics, key ids, prices)
     and the bound on their wait for Kafka."""
 
-    #: The longest a ``policy`` command waits for Kafka, in all (``SPENDGATE_POLICY_TIMEOUT_S``).
-    policy_timeout_s: float = Field(POLICY_TIMEOUT_S, gt=0)
+    policy_timeout_s: float = Field(
+        POLICY_TIMEOUT_S,
+        gt=0,
+        description="The longest `policy apply`, `delete` and `list` each wait for Kafka in "
+        "all (topics, writes and their acks, the read of the policies in force); then one "
+        "`error:` line naming the step, exit 3. Running the command again is safe.",
+    )
 
 
 def policy_settings() -> PolicySettings:

@@ -135,42 +135,77 @@ class LiteLLMSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPENDGATE_LITELLM_", frozen=True, extra="forbid")
 
-    admission_url: str = "http://127.0.0.1:8787"
-    #: The bearer token the proxy admits with (bound to the tenants it serves).
-    token: SecretStr | None = None
-    #: Per attempt to reach admission.
-    timeout_s: float = Field(2.0, gt=0, le=30)
-    retries: int = Field(1, ge=0, le=5)
-    #: How long an admit may be held by a ``delay`` policy (its ``max_delay``); 0 when no
-    #: policy delays. An admit never takes longer than :attr:`admit_deadline_s`.
-    max_hold_s: float = Field(60.0, ge=0, le=60)
-    #: The output reserved (and injected as max_tokens) when a request sets none.
-    output_allowance: int = Field(1024, ge=1)
-    #: A stream's first block and each extend, in output tokens.
-    stream_step: int = Field(256, ge=1)
-    #: Subject field -> source (``team_id``, ``key``, ``metadata.NAME``...; ``a|b``: the
-    #: first present). ``key`` is the proxy's hash of the caller's key, never the key.
+    admission_url: str = Field(
+        "http://127.0.0.1:8787", description="The admission service the proxy admits through."
+    )
+    token: SecretStr | None = Field(
+        None,
+        description="The bearer token the proxy admits with (bound to the tenants it serves).",
+    )
+    timeout_s: float = Field(
+        2.0, gt=0, le=30, description="Per attempt to reach admission, in seconds."
+    )
+    retries: int = Field(
+        1, ge=0, le=5, description="Retries after a failed attempt to reach admission."
+    )
+    max_hold_s: float = Field(
+        60.0,
+        ge=0,
+        le=60,
+        description="How long an admit may be held by a `delay` policy (its `max_delay`); 0 "
+        "when no policy delays. An admit never takes longer than `TIMEOUT_S` x (`RETRIES` + "
+        "1) + `MAX_HOLD_S` + 1 s.",
+    )
+    output_allowance: int = Field(
+        1024,
+        ge=1,
+        description="The output reserved, and injected as `max_tokens` and "
+        "`max_completion_tokens`, when a request sets neither.",
+    )
+    stream_step: int = Field(
+        256, ge=1, description="A stream's first block and each extend, in output tokens."
+    )
     subject: dict[str, str] = Field(
         default_factory=lambda: {
             "tenant": "team_id",
             "api_key": "key",
             "user": "user_id",
             "model": "model",
-        }
+        },
+        description="JSON: subject field -> source (`team_id`, `key`, `metadata.NAME`...; "
+        "`a|b`: the first present). `key` is the proxy's hash of the caller's key, never the "
+        "key.",
     )
-    #: The model group a ``route`` decision's pool maps to (default: the pool's name).
-    route_models: dict[str, str] = Field(default_factory=dict)
-    #: Above this wait a refusal tells clients not to retry (``x-should-retry: false``).
-    max_retry_after_s: int = Field(60, ge=1, le=120)
-    #: Kafka, to read the policies' failure modes for when admission is unreachable.
-    kafka_bootstrap: str | None = None
-    topic_prefix: str = "budget."
-    #: The failure mode while admission is unreachable and no policy is known.
-    unavailable: Literal["closed", "open"] = "closed"
-    #: A call type spendgate does not know: ``count`` admits and commits it as one
-    #: request, ``reject`` refuses it (403), ``pass`` forwards it unmetered (logged once
-    #: per type).
-    unmetered: Literal["count", "reject", "pass"] = "count"
+    route_models: dict[str, str] = Field(
+        default_factory=dict,
+        description="JSON: the model group a `route` decision's pool maps to (default: the "
+        "pool's name).",
+    )
+    max_retry_after_s: int = Field(
+        60,
+        ge=1,
+        le=120,
+        description="Above this wait a refusal tells clients not to retry "
+        "(`x-should-retry: false`).",
+    )
+    kafka_bootstrap: str | None = Field(
+        None,
+        description="Kafka, to read the policies' failure modes for when admission is "
+        "unreachable (none: `UNAVAILABLE` decides).",
+    )
+    topic_prefix: str = Field(
+        "budget.", description="The deployment's topic prefix (its policies topic is read)."
+    )
+    unavailable: Literal["closed", "open"] = Field(
+        "closed",
+        description="The failure mode while admission is unreachable and no policy is known.",
+    )
+    unmetered: Literal["count", "reject", "pass"] = Field(
+        "count",
+        description="A call type spendgate does not know: `count` admits and commits it as "
+        "one request, `reject` refuses it (403), `pass` forwards it unmetered (logged once "
+        "per type).",
+    )
 
     @property
     def admit_deadline_s(self) -> float:
