@@ -10,7 +10,9 @@ same comparison in the suite, so a page cannot drift from the code it describes)
 - ``metrics.md``: every Prometheus metric family of the metrics modules (:data:`METRICS`);
 - ``exit-codes.md``: every exit code of every command (:data:`EXIT_CODES`, checked against the
   code's own constants and ``exit`` calls by the tests);
-- ``cli.md``: the ``--help`` of every command, as the CLI prints it at 80 columns.
+- ``cli.md``: the ``--help`` of every command, as the CLI prints it at 80 columns;
+- ``openapi.json`` and ``http-api.md``: the admission service's OpenAPI document, as it serves
+  it, and a page rendered from it.
 
 It lives in the package beside what it reads (imported, never parsed), is type-checked with it,
 and needs nothing the package does not already depend on.
@@ -47,6 +49,7 @@ __all__ = [
     "MetricModule",
     "SettingsGroup",
     "main",
+    "openapi",
     "render",
     "settings_variables",
 ]
@@ -729,6 +732,101 @@ def _cli_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the HTTP API --------------------------------------------------------------------------
+
+
+def openapi() -> dict[str, Any]:
+    """The OpenAPI document the admission service serves at ``/openapi.json``."""
+    from spendgate.admission.server import build_app
+    from spendgate.admission.settings import AdmissionSettings
+
+    # The document depends on the code only: the defaults (not this environment) name where
+    # to connect, and nothing connects until the app's lifespan starts.
+    return build_app(AdmissionSettings.model_construct()).openapi()
+
+
+def _openapi_json() -> str:
+    return json.dumps(openapi(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _ref_link(ref: str) -> str:
+    name = ref.rsplit("/", 1)[-1]
+    return f"[{name}](#{_slug(name)})"
+
+
+def _api_type(prop: dict[str, Any]) -> str:
+    if "$ref" in prop:
+        return _ref_link(str(prop["$ref"]))
+    if "anyOf" in prop:
+        kinds = [_api_type(p) for p in prop["anyOf"] if p.get("type") != "null"]
+        nullable = any(p.get("type") == "null" for p in prop["anyOf"])
+        return " or ".join(kinds) + (" or null" if nullable else "")
+    if "enum" in prop:
+        return " \\| ".join(_code(json.dumps(v)) for v in prop["enum"])
+    if "const" in prop:
+        return _code(json.dumps(prop["const"]))
+    kind = str(prop.get("type", "any"))
+    if kind == "array":
+        return f"list of {_api_type(prop.get('items', {}))}"
+    if kind == "object" and isinstance(prop.get("additionalProperties"), dict):
+        return f"object of {_api_type(prop['additionalProperties'])}"
+    return kind
+
+
+def _doc_text(text: str) -> str:
+    """A docstring as Markdown: reST's double backticks as code spans, one paragraph."""
+    return " ".join(text.replace("``", "`").split())
+
+
+def _http_page() -> str:
+    doc = openapi()
+    lines = _header(
+        "HTTP API", "the admission service's OpenAPI document, [openapi.json](openapi.json)"
+    )
+    lines += [
+        _doc_text(str(doc["info"].get("description", ""))),
+        "",
+        "The service serves the same document at `/openapi.json` and interactive docs at "
+        "`/docs`; with auth on, every `/v1` call carries `Authorization: Bearer <token>`.",
+    ]
+    for path, methods in doc["paths"].items():
+        for method, op in methods.items():
+            lines += ["", f"## {method.upper()} {path}", "", _doc_text(str(op.get("summary", "")))]
+            if op.get("description"):
+                lines += ["", _doc_text(str(op["description"]))]
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            if body:
+                lines += ["", f"Body: {_api_type(body.get('schema', {}))}."]
+            params = op.get("parameters", [])
+            if params:
+                names = ", ".join(f"`{p['name']}`" for p in params)
+                lines += ["", f"Query parameters: {names}."]
+            lines += ["", "| status | meaning | body |", "|---|---|---|"]
+            for status, answer in op.get("responses", {}).items():
+                content = answer.get("content", {})
+                schema = content.get("application/json", {}).get("schema")
+                shown = _api_type(schema) if schema else ", ".join(f"`{c}`" for c in content)
+                lines.append(
+                    f"| {status} | {_cell(str(answer.get('description', '')))} | {shown} |"
+                )
+    lines += ["", "## Bodies"]
+    for name, schema in doc.get("components", {}).get("schemas", {}).items():
+        lines += ["", f"### {name}", ""]
+        if schema.get("description"):
+            lines += [_doc_text(str(schema["description"])), ""]
+        props = schema.get("properties", {})
+        if not props:
+            lines.append(f"Type: {_api_type(schema)}.")
+            continue
+        required = set(schema.get("required", []))
+        lines += ["| field | type | required | description |", "|---|---|---|---|"]
+        for field, prop in props.items():
+            needed = "yes" if field in required else "no"
+            described = _cell(_doc_text(str(prop.get("description", ""))))
+            lines.append(f"| `{field}` | {_api_type(prop)} | {needed} | {described} |")
+    return "\n".join(lines) + "\n"
+
+
 # -- the pages -----------------------------------------------------------------------------
 
 #: Each page (its file name under ``docs/reference/``) and its renderer.
@@ -738,6 +836,8 @@ PAGES: dict[str, Callable[[], str]] = {
     "metrics.md": _metrics_page,
     "exit-codes.md": _exit_codes_page,
     "cli.md": _cli_page,
+    "http-api.md": _http_page,
+    "openapi.json": _openapi_json,
 }
 
 

@@ -85,7 +85,7 @@ class TestDrift:
             pytest.fail(f"{hint}\n{diff}")
 
     def test_no_stale_pages(self) -> None:
-        assert sorted(p.name for p in REFERENCE.glob("*.md")) == sorted(PAGES), (
+        assert sorted(p.name for p in REFERENCE.iterdir()) == sorted(PAGES), (
             f"docs/reference/ holds a page the generator does not write; run `{COMMAND}`"
         )
 
@@ -97,6 +97,25 @@ class TestDrift:
         assert _docs_gen.main(["--check", "--root", str(tmp_path)]) == 0
         (tmp_path / "docs" / "reference" / "policy.md").write_text("edited by hand\n")
         assert _docs_gen.main(["--check", "--root", str(tmp_path)]) == 1
+
+
+class TestOpenAPI:
+    async def test_the_checked_in_document_is_the_one_admission_serves(self) -> None:
+        import json
+
+        import httpx
+
+        from spendgate.admission.server import build_app
+        from spendgate.admission.settings import AdmissionSettings
+
+        app = build_app(AdmissionSettings.model_construct())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://admission") as client:
+            served = (await client.get("/openapi.json")).json()
+        checked_in = json.loads((REFERENCE / "openapi.json").read_text(encoding="utf-8"))
+        assert served == checked_in, (
+            f"docs/reference/openapi.json is not what admission serves: run `{COMMAND}`"
+        )
 
 
 class TestDescriptions:
