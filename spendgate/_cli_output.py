@@ -1,22 +1,26 @@
-"""What the ``spendgate`` commands print: labelled lines, status and report tables."""
+"""What the ``spendgate`` commands print: labelled lines, status and report tables.
+
+Every table is a :class:`~spendgate._cli_tables.FitTable`: nothing is cut at any width.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
+from spendgate._cli_tables import FitTable
+
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
     from spendgate.dashboard.views import KeyRow
     from spendgate.schemas.policies import Policy
     from spendgate.schemas.status import StackStatus
     from spendgate.simulate_report import Report
-    from spendgate.streams.settings import WorkerSettings
 
 console = Console(stderr=True)
 
@@ -26,6 +30,29 @@ def say(label: str, style: str, text: str, *, out: Console | None = None) -> Non
     (out or console).print(
         Text.assemble((label, style), " ", text), soft_wrap=True, highlight=False
     )
+
+
+@contextlib.contextmanager
+def progress(description: str, out: Console | None = None) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on ``out`` (stderr) while the block runs, drawn only on a terminal
+    (a log or a pipe gets no bar frames); yields the ``(done, total)`` callback to report
+    to."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    shown = out or console
+    if not shown.is_terminal:
+        # Not even rich's Progress: it prints an empty line when it stops off a terminal.
+        yield lambda done, total: None
+        return
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=shown,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def without_password(url: str) -> str:
@@ -92,7 +119,7 @@ def print_decidability(out: Console) -> None:
         say("decidable:", "red", f"no ({where}): {status.reason}", out=out)
     if not status.partitions:
         return
-    marks = Table("mark", "state", "age ms", "behind", "lag age ms", "owner")
+    marks = FitTable("mark", "state", "age ms", "behind", "lag age ms", "owner")
     for p in status.partitions:
         marks.add_row(
             p.field,
@@ -168,17 +195,15 @@ def print_simulation(
     out: Console,
     report: Report,
     draft: Sequence[Policy],
-    settings: WorkerSettings | None,
+    in_force: Sequence[Policy] | None,
     top: int,
 ) -> None:
-    """Print a simulation's report as tables: with ``settings``, first the policies in force
-    (read from their topic) beside the draft; then the per-policy summary, the top keys and
-    the totals."""
-    from spendgate.streams.policy_admin import list_policies
-
-    if settings is not None:
-        live = {p.id: p for p in list_policies(settings)}
-        table = Table("policy", "in force", "draft")
+    """Print a simulation's report as tables: with ``in_force`` (the policies read from
+    their topic), first those beside the draft; then the per-policy summary, the top keys
+    and the totals."""
+    if in_force is not None:
+        live = {p.id: p for p in in_force}
+        table = FitTable("policy", "in force", "draft")
         for p in draft:
             now = live.get(p.id)
             table.add_row(
@@ -189,7 +214,7 @@ def print_simulation(
                 Text(f"{p.limit} {p.unit} / {p.window} ({p.on_exceed}, {p.mode})"),
             )
         out.print(table)
-    summary = Table(
+    summary = FitTable(
         "policy", "requests", "refused", "share", "first refusal", "last refusal",
         "units refused", "capped", "peak", "over 80%",
     )  # fmt: skip
@@ -202,11 +227,12 @@ def print_simulation(
             f"{j['peak_utilization']:.0%}", f"{j['seconds_over_80pct']:.0f} s",
         )  # fmt: skip
     out.print(summary)
-    keys = Table("policy", "top key", "requests", "refused", "first", "last", "peak")
+    # The key first: it names its policy (a budget key starts with the policy's id).
+    keys = FitTable("top key", "requests", "refused", "first", "last", "peak")
     for pr in report.policies.values():
         for k in pr.top_keys(top):
             keys.add_row(
-                Text(k.policy), Text(k.key), str(k.requests), str(k.refused),
+                Text(k.key), str(k.requests), str(k.refused),
                 str(k.to_json()["first_refusal"] or "-"), str(k.to_json()["last_refusal"] or "-"),
                 f"{k.peak_utilization:.0%}",
             )  # fmt: skip
@@ -229,9 +255,19 @@ def print_simulation(
     )
 
 
-def budget_table(rows: Sequence[KeyRow]) -> Table:
+def policy_table(policies: Iterable[Policy]) -> FitTable:
+    """The ``policy list`` command's table."""
+    table = FitTable("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
+    for p in policies:
+        # Text cells: a match like {model: [a, b]} is data, not markup.
+        cells = (p.id, p.unit, str(p.limit), p.window, p.bucket, str(p.match))
+        table.add_row(*(Text(c) for c in (*cells, ",".join(p.group_by), p.mode)))
+    return table
+
+
+def budget_table(rows: Sequence[KeyRow]) -> FitTable:
     """The ``budgets`` command's table of ``rows``."""
-    table = Table("key", "used / limit", "share", "retry-after", "exhausts in")
+    table = FitTable("key", "used / limit", "share", "retry-after", "exhausts in")
     for r in rows:
         exhausts = "-" if r.exhausts_in_seconds is None else f"{r.exhausts_in_seconds} s"
         retry = "never" if r.retry_after_seconds < 0 else f"{r.retry_after_seconds} s"

@@ -5,11 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rich.cells import cell_len
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+
+from spendgate._cli_tables import BudgetKey
+
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderResult
 
 #: What every demo run must show: a refusal carrying Retry-After, each enforcement action
 #: of the hooli showcase, and alerts (thresholds and the overage) read back from Kafka.
@@ -73,29 +79,71 @@ def screen(tally: Tally, elapsed_s: float) -> Group:
     return Group(key_table(tally, elapsed_s), *(Text.from_markup(line) for line in tally.log[-6:]))
 
 
-def key_table(tally: Tally, elapsed_s: float) -> Table:
-    """One row per budget key seen: its unit, fill bar, window and last Retry-After."""
-    table = Table(
-        title=f"spendgate demo - {elapsed_s:4.0f}s  admitted {tally.admitted}  "
-        f"refused {tally.refused}  committed {tally.committed}  "
-        f"cancelled {tally.cancelled}  late reports {tally.late_reports}"
-    )
-    # The key column folds (wraps mid-word) rather than cutting: a key has no spaces, and
-    # which tenant is near its limit is the point of the table. Cells are Text, never markup.
-    table.add_column("budget key", overflow="fold", ratio=3)
-    for col in ("unit", "used+reserved / limit", "window", "last Retry-After"):
-        table.add_column(col, overflow="fold")
+def key_table(tally: Tally, elapsed_s: float) -> KeyTable:
+    """One row per budget key seen: its fill bar, used+reserved / limit, unit and window,
+    and the last Retry-After a refusal on it carried."""
+    rows = []
     for key, view in sorted(tally.keys.items()):
-        share = min(1.0, (view.used + view.reserved) / max(view.limit, 1))
-        bar = "#" * int(share * 20) + "." * (20 - int(share * 20))
-        table.add_row(
-            Text(key),
-            Text(view.unit),
-            Text(f"[{bar}] {view.used + view.reserved}/{view.limit}"),
-            f"{view.window_s}s" if view.window_s else "-",
-            Text(tally.last_retry.get(key, "-")),
-        )
-    return table
+        held = view.used + view.reserved
+        filled = round(min(1.0, held / max(view.limit, 1)) * _BAR)
+        window = f" in {view.window_s}s" if view.window_s else ""
+        fill = f"[{'#' * filled}{'.' * (_BAR - filled)}] {held:,} / {view.limit:,} {view.unit}"
+        rows.append((key, Text(fill + window), Text(tally.last_retry.get(key, "-"))))
+    title = (
+        f"spendgate demo - {elapsed_s:.0f}s: admitted {tally.admitted}, refused {tally.refused}, "
+        f"committed {tally.committed}, cancelled {tally.cancelled}, "
+        f"late reports {tally.late_reports}"
+    )
+    return KeyTable(title, rows)
+
+
+#: The fill bar's width in characters.
+_BAR = 10
+#: What the other columns get at least before the key column takes the rest: two lines
+#: of the fill cell for the demo's amounts, and "never" of a Retry-After.
+_FILL_MIN = 24
+_RETRY_MIN = 5
+#: Three columns' borders and padding.
+_CHROME = 10
+
+
+class KeyTable:
+    """The demo's budget table, laid out at the width it is printed at.
+
+    The key column is given room first: a key whole when the width allows, else broken
+    only after its own ``|`` separators, never narrower than its longest part (at 80
+    columns the demo's longest keys take two lines); the other cells wrap at their spaces.
+    Nothing is cut. rich's own layout shrinks the widest column first, which folded a key
+    over five lines at 80 columns.
+    """
+
+    def __init__(self, title: str, rows: list[tuple[str, Text, Text]]) -> None:
+        self.title = title
+        self.rows = rows
+
+    def table(self, width: int) -> Table:
+        """The table for ``width`` columns."""
+        keys = [BudgetKey(key) for key, _, _ in self.rows]
+        longest = max((cell_len(k.key) for k in keys), default=0)
+        part = max((cell_len(p) for k in keys for p in k.parts), default=0)
+        others = _CHROME + max((f.cell_len for _, f, _ in self.rows), default=0)
+        others += max(_RETRY_MIN, *(r.cell_len for _, _, r in self.rows))
+        if longest + others <= width:
+            key_width = longest  # every key whole, every other cell on one line
+        else:
+            # Broken at its separators, a key needs its longest part; the other cells get
+            # what they need on one line if that leaves it, and two lines' worth at least.
+            key_width = min(max(part, width - others), width - _CHROME - _FILL_MIN - _RETRY_MIN)
+        table = Table(title=self.title)
+        table.add_column("budget key", width=max(key_width, len("budget key")))
+        table.add_column("used+reserved / limit", overflow="fold")
+        table.add_column("retry", overflow="fold")
+        for key, (_, fill, retry) in zip(keys, self.rows, strict=True):
+            table.add_row(key, fill, retry)
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.table(options.max_width)
 
 
 def observe(tally: Tally, budgets: list[dict[str, Any]], at: float) -> None:

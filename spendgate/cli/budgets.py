@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from spendgate._cli_output import budget_table
 from spendgate.cli._options import Output, echo_json, group
 
 if TYPE_CHECKING:
+    from spendgate._cli_tables import FitTable
     from spendgate.dashboard.views import KeyRow
 
 __all__ = ["alerts", "budgets"]
@@ -77,7 +77,7 @@ def budgets(
             )
         )
 
-    def render() -> Table:
+    def render() -> FitTable:
         return budget_table(read())
 
     if output == "json":

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from spendgate._cli_output import (
     console,
@@ -18,6 +18,7 @@ from spendgate._cli_output import (
     read_worker_readiness,
     say,
 )
+from spendgate._cli_tables import FitTable
 from spendgate.cli._options import Output, echo_json, group
 
 if TYPE_CHECKING:
@@ -175,24 +176,28 @@ def dev_status(
         )
         return
     if kafka is not None:
-        nodes_table = Table("node", "state", "pid", "port", "log")
+        nodes_table = FitTable("node", "state", "pid", "port", "log")
         for n in kafka.status():
-            state = "[green]running[/]" if n.running else "[red]stopped[/]"
             nodes_table.add_row(
-                f"kafka {KAFKA_VERSION} #{n.node_id}", state, str(n.pid or "-"), str(n.port),
-                str(n.log),
+                Text(f"kafka {KAFKA_VERSION} #{n.node_id}"), _state(n.running),
+                str(n.pid or "-"), str(n.port), Text(str(n.log)),
             )  # fmt: skip
         Console().print(nodes_table)
         return
-    table = Table("service", "state", "pid", "port", "log")
+    table = FitTable("service", "state", "pid", "port", "log")
     for s in LocalStack(StackSettings()).status():
         name = f"kafka {KAFKA_VERSION}" if s.name == "kafka" else s.name
-        state = "[green]running[/]" if s.running else "[red]stopped[/]"
-        table.add_row(name, state, str(s.pid or "-"), str(s.port), str(s.log))
+        table.add_row(
+            Text(name), _state(s.running), str(s.pid or "-"), str(s.port), Text(str(s.log))
+        )
     out = Console()
     out.print(table)
     print_decidability(out)
     print_worker_readiness(out)
+
+
+def _state(running: bool) -> Text:
+    return Text("running", style="green") if running else Text("stopped", style="red")
 
 
 def _fields(status: Any) -> dict[str, Any]:
@@ -242,10 +247,10 @@ def cluster_status(output: Output = "table") -> None:
     if output == "json":
         echo_json({"nodes": [_fields(s) for s in nodes.status()], "healthy": nodes.healthy()})
         return
-    table = Table("node", "state", "role", "pid", "log")
+    table = FitTable("node", "state", "role", "pid", "log")
     for s in nodes.status():
-        state = "[green]running[/]" if s.running else "[red]stopped[/]"
-        table.add_row(f"127.0.0.1:{s.port}", state, s.role, str(s.pid or "-"), str(s.log))
+        row = (Text(f"127.0.0.1:{s.port}"), _state(s.running), Text(s.role), str(s.pid or "-"))
+        table.add_row(*row, Text(str(s.log)))
     out = Console()
     out.print(table)
     healthy = nodes.healthy()

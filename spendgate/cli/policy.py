@@ -8,10 +8,8 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from spendgate._cli_output import console, say
+from spendgate._cli_output import console, policy_table, say
 from spendgate.cli._options import Output, echo_json, group
 
 __all__ = ["key_id", "policy", "schema"]
@@ -53,12 +51,7 @@ def policy_list(output: Output = "table") -> None:
         listed = list_policies(settings, timeout_s=settings.policy_timeout_s)
         echo_json([p.model_dump(mode="json") for p in listed])
         return
-    table = Table("id", "unit", "limit", "window", "bucket", "match", "group_by", "mode")
-    for p in list_policies(settings, timeout_s=settings.policy_timeout_s):
-        # Text cells: a match like {model: [a, b]} is data, not markup.
-        cells = (p.id, p.unit, str(p.limit), p.window, p.bucket, str(p.match))
-        table.add_row(*(Text(c) for c in (*cells, ",".join(p.group_by), p.mode)))
-    Console().print(table)
+    Console().print(policy_table(list_policies(settings, timeout_s=settings.policy_timeout_s)))
 
 
 @policy.command("delete")

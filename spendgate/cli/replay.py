@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -10,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from spendgate._cli_output import console, print_simulation, say
+from spendgate._cli_output import console, print_simulation, progress, say
 from spendgate.cli._options import Output
 
 __all__ = ["replay", "simulate"]
@@ -48,10 +47,8 @@ def simulate(
     key, the requests it would have refused (count, share, first and last time, units),
     peak utilization and the time spent over 80% of the limit.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
     from spendgate.simulate import caveats, chart, dumps, run_simulation
-    from spendgate.streams.policy_admin import load_policies
+    from spendgate.streams.policy_admin import list_policies, load_policies
     from spendgate.streams.settings import WorkerSettings
 
     draft = load_policies(policies, key_ids=WorkerSettings().key_ids())
@@ -61,29 +58,16 @@ def simulate(
         t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t for t in (since, until)
     )
     settings = WorkerSettings()
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not sys.stderr.isatty(),
-    ) as bar:
-        task = bar.add_task("simulating", total=None)
-        report = run_simulation(
-            settings,
-            draft,
-            since=since,
-            until=until,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )
+    with progress("simulating") as done:
+        report = run_simulation(settings, draft, since=since, until=until, progress=done)
     if chart_file is not None:
         chart(report, str(chart_file), top=top)
     if as_json or output == "json":
         typer.echo(dumps(report, top))
         return
+    in_force = list_policies(settings) if compare else None
     out = Console()
-    print_simulation(out, report, draft, settings if compare else None, top)
+    print_simulation(out, report, draft, in_force, top)
     if chart_file is not None:
         say("chart", "green", str(chart_file), out=out)
 
@@ -109,27 +93,14 @@ def replay(
     Stop the workers first; with --verify nothing is written. The worker's own RocksDB
     tables rebuild themselves from their changelog topic when their folder is wiped.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
     from spendgate.streams.replay import run_replay
     from spendgate.streams.settings import WorkerSettings
 
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    ) as bar:
-        task = bar.add_task("replaying usage", total=None)
+    with progress("replaying usage") as done:
         summary = run_replay(
-            WorkerSettings(),
-            since=since,
-            verify=verify,
-            emit_alerts=emit_alerts,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            WorkerSettings(), since=since, verify=verify, emit_alerts=emit_alerts, progress=done
         )
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())) or "none"
     console.print(
