@@ -1,10 +1,10 @@
-"""What the demo keeps and shows: its tally of budget keys, the live table, the PNG chart."""
+"""What the demo keeps and shows: its tally of budget keys and the live table (the PNG chart:
+:mod:`spendgate._demo_chart`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.cells import cell_len
@@ -169,51 +169,3 @@ class Clock:
     def now(self) -> float:
         """Seconds since the start."""
         return time.monotonic() - self.start
-
-
-def write_chart(tally: Tally, path: Path) -> Path:
-    """A PNG: one panel per budget key, used+reserved against its limit, refusals marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(k for k, v in tally.keys.items() if v.points)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cols = 2 if len(keys) > 1 else 1
-    rows = max(1, (len(keys) + cols - 1) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 2.8 * rows), squeeze=False)
-    for ax in axes.flat[len(keys) :]:
-        ax.set_visible(False)
-    for ax, key in zip(axes.flat, keys, strict=False):
-        view = tally.keys[key]
-        xs, ys = zip(*sorted(view.points), strict=True)
-        ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.3, label="used + reserved")
-        ax.axhline(view.limit, color="black", linestyle="--", linewidth=1, label="limit")
-        if view.refusals:
-            ax.plot(
-                view.refusals,
-                [view.limit] * len(view.refusals),
-                "x",
-                color="red",
-                markersize=6,
-                label=f"refused ({len(view.refusals)})",
-            )
-        tenant = key.split("tenant=")[1].split("|")[0] if "tenant=" in key else ""
-        for at, _ in (t for t in tally.late if tenant and t[1].startswith(tenant + ":")):
-            ax.axvline(at, color="tab:cyan", alpha=0.5, linewidth=1)
-        ax.set_title(f"{key}  ({view.unit}, {view.window_s}s window)", fontsize=9)
-        ax.set_ylim(0, max(view.limit, max(ys)) * 1.15)
-        ax.set_xlabel("seconds since start", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(
-        f"spendgate demo: {tally.admitted} admitted, {tally.refused} refused, "
-        f"{tally.cancelled} cancelled, {tally.late_reports} late reports (cyan lines)",
-        fontsize=11,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

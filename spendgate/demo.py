@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from spendgate._demo_chart import write_chart as write_chart
 from spendgate._demo_showcase import showcase
 from spendgate._demo_view import Clock, Tally, observe, screen
 from spendgate._demo_view import KeyView as KeyView
-from spendgate._demo_view import write_chart as write_chart
 
 logger = logging.getLogger(__name__)
 
