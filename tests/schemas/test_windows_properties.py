@@ -132,7 +132,8 @@ def with_boundary(spec: WindowSpec, boundary: Boundary) -> WindowSpec:
 
 
 TESTS = Path(__file__).resolve().parent.parent
-README = TESTS.parent / "README.md"
+#: The claims table (moved from the README into the documentation site).
+CLAIMS = TESTS.parent / "docs" / "design" / "claims.md"
 
 
 def setting_overrides(path: Path) -> list[tuple[str, str, object]]:
@@ -189,12 +190,13 @@ class TestProfile:
         forced = request.config.getoption("hypothesis_seed", default=None)
         assert str(core.global_force_seed) == str(RUN_SEED if forced is None else forced)
 
-    def test_every_per_test_override_is_named_in_the_readme(self) -> None:
-        # A test's own @settings(max_examples=...) wins over the profile: the README's
+    def test_every_per_test_override_is_named_in_the_claims(self) -> None:
+        # A test's own @settings(max_examples=...) wins over the profile: the documented
         # "2,000 per property" holds only for the tests that set none. Every override
         # (count, derandomize, database, a profile of its own) is found in the source and
-        # must be named, with its count, in the README's claims row 4; none may derandomize.
-        (row,) = [line for line in README.read_text().splitlines() if line.startswith("| 4 |")]
+        # must be named, with its count, in claims row 4 (docs/design/claims.md); none may
+        # derandomize.
+        (row,) = [line for line in CLAIMS.read_text().splitlines() if line.startswith("| 4 |")]
         overrides = {
             (path.relative_to(TESTS).as_posix(), where, key, value)
             for path in sorted(TESTS.rglob("*.py"))
@@ -210,7 +212,7 @@ class TestProfile:
                 # expression) must be named as a share "of the profile".
                 said = f"{value:,} " if isinstance(value, int) else "of the profile"
                 assert f"`{where}`" in row and said in row, (
-                    f"{path}::{where} runs {value} examples; README claims row 4 does not say so"
+                    f"{path}::{where} runs {value} examples; claims row 4 does not say so"
                 )
         # The scan finds what it is meant to (it is not blind to today's overrides).
         counted = {(p, w, v) for p, w, k, v in overrides if k == "max_examples"}
