@@ -8,11 +8,11 @@ every service's settings class includes)::
     SECURITY_PROTOCOL       PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
     SASL_MECHANISM          PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
     SASL_USERNAME
-    SASL_PASSWORD           or SASL_PASSWORD_FILE (mode 600)
+    SASL_PASSWORD           or SASL_PASSWORD_FILE (mode 600/640/400/440)
     SSL_CAFILE              CA bundle (PEM) trusted for the brokers' certificates
     SSL_CERTFILE            client certificate (PEM), when the brokers ask for one
     SSL_KEYFILE             its private key (PEM)
-    SSL_KEY_PASSWORD        or SSL_KEY_PASSWORD_FILE (mode 600)
+    SSL_KEY_PASSWORD        or SSL_KEY_PASSWORD_FILE (mode 600/640/400/440)
     REPLICATION_FACTOR      of every topic spendgate (or faust) creates; 3 in production
     MIN_INSYNC_REPLICAS     of those topics; 2 in production (with acks=all)
     ALLOW_UNDER_REPLICATED  start even when an existing topic has less (a warning)
@@ -235,7 +235,8 @@ class KafkaSettings(BaseSettings):
     )
     kafka_sasl_password_file: Path | None = Field(
         None,
-        description="A file holding the SASL password (mode 600; surrounding whitespace ignored).",
+        description="A file holding the SASL password (mode 600, 640, 400 or 440: others may not "
+        "read it; surrounding whitespace ignored).",
     )
     kafka_ssl_cafile: Path | None = Field(
         None,
@@ -250,8 +251,8 @@ class KafkaSettings(BaseSettings):
     )
     kafka_ssl_key_password_file: Path | None = Field(
         None,
-        description="A file holding the client key's password (mode 600; surrounding "
-        "whitespace ignored).",
+        description="A file holding the client key's password (mode 600, 640, 400 or 440: "
+        "others may not read it; surrounding whitespace ignored).",
     )
     kafka_replication_factor: int = Field(
         1,

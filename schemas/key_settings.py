@@ -27,10 +27,16 @@ __all__ = [
 
 #: The shortest subject secret taken: a short one could be guessed from a known key's id.
 MIN_SECRET_BYTES = 16
+#: The mode bits that make a secret file shared: its group writing it, others doing anything.
+_SHARED_BITS = stat.S_IWGRP | stat.S_IRWXO
 
 
 def read_private_file(path: Path, what: str) -> bytes:
-    """Read a file that holds secrets, refusing it when group or others may access it.
+    """Read a file that holds secrets, refusing it when others may read or write it.
+
+    The owner and its group may read it (0600, 0640, 0400, 0440: the modes a Kubernetes
+    Secret volume gives with ``defaultMode: 0440`` and an ``fsGroup``); only the owner may
+    write it, and others may do nothing with it (0644, 0666, 0604, 0660 are refused).
 
     Args:
         path: the file.
@@ -38,14 +44,17 @@ def read_private_file(path: Path, what: str) -> bytes:
 
     Raises:
         ConfigurationError: the file cannot be read, or its mode lets others read or write
-            it (the message says to ``chmod 600`` it; it never shows the content).
+            it or its group write it: one line naming the fix (``chmod 600``, or a Secret
+            volume's ``defaultMode: 0440``); it never shows the content.
     """
     try:
         mode = path.stat().st_mode
-        if mode & 0o077:
+        if mode & _SHARED_BITS:
             raise ConfigurationError(
                 f"{path}: {what} is readable or writable by others "
-                f"(mode {stat.filemode(mode)}); run: chmod 600 {path}"
+                f"(mode {stat.filemode(mode)}; the owner and its group may read it, only the "
+                f"owner write it); run: chmod 600 {path} (or 640, 440; in a Kubernetes Secret "
+                "volume: defaultMode: 0440)"
             )
         return path.read_bytes()
     except OSError as exc:
@@ -53,8 +62,8 @@ def read_private_file(path: Path, what: str) -> bytes:
 
 
 def secret_or_file(value: SecretStr | None, path: Path | None, variable: str) -> SecretStr | None:
-    r"""A secret given in ``variable`` or in the file of ``variable``\ ``_FILE`` (mode 600,
-    surrounding whitespace ignored); None for neither.
+    r"""A secret given in ``variable`` or in the file of ``variable``\ ``_FILE`` (mode 600, 640,
+    400 or 440; surrounding whitespace ignored); None for neither.
 
     Raises:
         ConfigurationError: both are set, or the file is unreadable or shared.
@@ -104,7 +113,8 @@ class SubjectSecretSettings(BaseSettings):
     )
     subject_secret_file: Path | None = Field(
         None,
-        description="A file holding the subject secret (mode 600; surrounding whitespace ignored).",
+        description="A file holding the subject secret (mode 600, 640, 400 or 440: others may "
+        "not read it; surrounding whitespace ignored).",
     )
     secret_fields: str = Field(
         "api_key",

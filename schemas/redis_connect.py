@@ -8,7 +8,7 @@ every service's settings class includes)::
     URL                 redis://host:port/db, or rediss:// for TLS (any node of a cluster)
     CLUSTER             the URL names a node of a Redis Cluster
     USERNAME            the ACL user (none: ``default``)
-    PASSWORD            or PASSWORD_FILE (mode 600)
+    PASSWORD            or PASSWORD_FILE (mode 600/640/400/440)
     SSL_CAFILE          CA bundle (PEM) trusted for the server's certificate (rediss://)
     SSL_CERTFILE        client certificate (PEM), when the server asks (tls-auth-clients)
     SSL_KEYFILE         its private key (PEM, unencrypted)
@@ -212,7 +212,8 @@ class RedisSettings(BaseSettings):
     )
     redis_password_file: Path | None = Field(
         None,
-        description="A file holding the Redis password (mode 600; surrounding whitespace ignored).",
+        description="A file holding the Redis password (mode 600, 640, 400 or 440: others may "
+        "not read it; surrounding whitespace ignored).",
     )
     redis_ssl_cafile: Path | None = Field(
         None,

@@ -209,29 +209,98 @@ def test_the_switch_takes_only_true_or_false(
         assert settings().allow_unauthenticated is means
 
 
+#: Modes a secret file may have: the owner's, and its group's read (a Kubernetes Secret volume
+#: with ``defaultMode: 0440`` and an ``fsGroup``).
+PRIVATE_MODES = [0o600, 0o400, 0o640, 0o440]
+#: Modes that share it: others read or write it, or its group writes it.
+SHARED_MODES = [0o644, 0o666, 0o604, 0o602, 0o620, 0o660]
+
+
 class TestTokensFileMode:
     def _write(self, path: Path, mode: int) -> Path:
         path.write_text("very-secret-token: [acme]\n")
         path.chmod(mode)
         return path
 
-    @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o666])
+    @pytest.mark.parametrize("mode", SHARED_MODES, ids=oct)
     def test_a_file_others_can_access_is_refused(self, tmp_path: Path, mode: int) -> None:
         path = self._write(tmp_path / "tokens.yaml", mode)
         with pytest.raises(ConfigurationError) as caught:
             load_tokens(path)
         message = str(caught.value)
-        assert f"chmod 600 {path}" in message
+        assert "\n" not in message
+        assert f"chmod 600 {path}" in message and "defaultMode: 0440" in message
         assert "very-secret-token" not in message
 
-    @pytest.mark.parametrize("mode", [0o600, 0o400])
-    def test_an_owner_only_file_is_read(self, tmp_path: Path, mode: int) -> None:
+    @pytest.mark.parametrize("mode", PRIVATE_MODES, ids=oct)
+    def test_an_owner_or_group_readable_file_is_read(self, tmp_path: Path, mode: int) -> None:
         path = self._write(tmp_path / "tokens.yaml", mode)
         assert load_tokens(path) == {"very-secret-token": frozenset({"acme"})}
 
-    def test_the_service_refuses_it_at_start(self, held: Held, tmp_path: Path) -> None:
-        path = self._write(tmp_path / "tokens.yaml", 0o644)
+    @pytest.mark.parametrize("mode", [0o644, 0o666], ids=oct)
+    def test_the_service_refuses_it_at_start(self, held: Held, tmp_path: Path, mode: int) -> None:
+        path = self._write(tmp_path / "tokens.yaml", mode)
         done = _run(held, ["admission"], SPENDGATE_AUTH_TOKENS_FILE=str(path))
         assert done.returncode == 2
-        assert f"chmod 600 {path}" in done.stdout + done.stderr
+        lines = [line for line in done.stderr.splitlines() if str(path) in line]
+        assert len(lines) == 1 and f"chmod 600 {path}" in lines[0], done.stderr
         assert "very-secret-token" not in done.stdout + done.stderr
+
+    @pytest.mark.parametrize("mode", [0o440, 0o640], ids=oct)
+    def test_the_service_starts_with_group_readable_secret_files(
+        self, tmp_path: Path, mode: int
+    ) -> None:
+        # As a Kubernetes Secret volume mounts them: the tokens file and the subject secret
+        # file, group-readable; admission answers, and auth is on, from the file.
+        tokens = self._write(tmp_path / "tokens.yaml", mode)
+        secret = tmp_path / "subject-secret"
+        secret.write_text("a-subject-secret-of-32-bytes-ok!\n")
+        secret.chmod(mode)
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k != "SPENDGATE_SUBJECT_SECRET"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spendgate", "admission"],
+            env={
+                **env,
+                **CLOSED,
+                "SPENDGATE_AUTH_TOKENS_FILE": str(tokens),
+                "SPENDGATE_SUBJECT_SECRET_FILE": str(secret),
+                "SPENDGATE_ADMISSION_PORT": str(port),
+            },
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            answered = None
+            while time.monotonic() < deadline and proc.poll() is None and answered is None:
+                try:
+                    answered = httpx.get(f"{base}/healthz", timeout=1).status_code
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            assert answered == 200, proc.stderr.read() if proc.poll() is not None else "no answer"
+            assert httpx.post(f"{base}/v1/admit", json={}, timeout=5).status_code == 401
+            with_token = httpx.post(
+                f"{base}/v1/admit",
+                json={},
+                headers={"Authorization": "Bearer very-secret-token"},
+                timeout=5,
+            )
+            assert with_token.status_code not in (401, 403), with_token.text
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            assert proc.stderr is not None
+            proc.stderr.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -271,9 +271,10 @@ class TestRefusals:
         assert "SPENDGATE_KAFKA_SASL_PASSWORD or SPENDGATE_KAFKA_SASL_PASSWORD_FILE" in message
         assert PASSWORD not in message
 
-    def test_a_password_file_others_can_read(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("mode", [0o644, 0o666, 0o604, 0o660], ids=oct)
+    def test_a_password_file_others_can_read(self, tmp_path: Path, mode: int) -> None:
         path = _private(tmp_path, "p", PASSWORD)
-        path.chmod(0o644)
+        path.chmod(mode)
         message = _refusal(
             kafka_security_protocol="SASL_SSL",
             kafka_sasl_mechanism="PLAIN",
@@ -281,6 +282,19 @@ class TestRefusals:
             kafka_sasl_password_file=str(path),
         )
         assert "chmod 600" in message and PASSWORD not in message
+
+    @pytest.mark.parametrize("mode", [0o640, 0o440, 0o400], ids=oct)
+    def test_a_password_file_its_group_can_read(self, tmp_path: Path, mode: int) -> None:
+        # As a Kubernetes Secret volume mounts it (defaultMode 0440 with an fsGroup).
+        path = _private(tmp_path, "p", PASSWORD + "\n")
+        path.chmod(mode)
+        kafka = KafkaSettings(  # type: ignore[call-arg]
+            kafka_security_protocol="SASL_PLAINTEXT",
+            kafka_sasl_mechanism="PLAIN",
+            kafka_sasl_username="u",
+            kafka_sasl_password_file=path,
+        ).kafka()
+        assert kafka.aiokafka_kwargs()["sasl_plain_password"] == PASSWORD
 
     def test_sasl_settings_on_a_protocol_without_sasl(self) -> None:
         message = _refusal(kafka_security_protocol="SSL", kafka_sasl_username="u")

@@ -185,11 +185,15 @@ def test_settings_read_a_private_secret_file_and_refuse_a_shared_one(
     monkeypatch.delenv("SPENDGATE_SUBJECT_SECRET")
     path = tmp_path / "subject.secret"
     path.write_bytes(SECRET + b"\n")
-    path.chmod(0o600)
-    keys = SubjectSecretSettings(subject_secret_file=path, secret_fields="api_key,user").key_ids()
-    assert not keys.built_in and keys.fields == ("api_key", "user")
-    assert keys.of("k") == expected_id(SECRET, "api_key", "k")
-    for mode in (0o644, 0o640, 0o604, 0o660):
+    # Private to its owner, or readable by its group too (a Kubernetes Secret volume).
+    for mode in (0o600, 0o400, 0o640, 0o440):
+        path.chmod(mode)
+        keys = SubjectSecretSettings(
+            subject_secret_file=path, secret_fields="api_key,user"
+        ).key_ids()
+        assert not keys.built_in and keys.fields == ("api_key", "user")
+        assert keys.of("k") == expected_id(SECRET, "api_key", "k")
+    for mode in (0o644, 0o666, 0o604, 0o660, 0o620):
         path.chmod(mode)
         with pytest.raises(ConfigurationError, match=f"chmod 600 {re.escape(str(path))}"):
             SubjectSecretSettings(subject_secret_file=path).key_ids()

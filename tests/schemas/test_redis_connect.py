@@ -241,11 +241,20 @@ class TestRefusals:
         message = _refusal(redis_url="redis://a:pw@r:6379/0", redis_username="b")
         assert "SPENDGATE_REDIS_USERNAME" in message and "pw" not in message
 
-    def test_a_password_file_others_can_read(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("mode", [0o644, 0o666, 0o604, 0o660], ids=oct)
+    def test_a_password_file_others_can_read(self, tmp_path: Path, mode: int) -> None:
         path = _private(tmp_path, "p", PASSWORD)
-        path.chmod(0o644)
+        path.chmod(mode)
         message = _refusal(redis_password_file=str(path))
         assert "chmod 600" in message and PASSWORD not in message
+
+    @pytest.mark.parametrize("mode", [0o640, 0o440, 0o400], ids=oct)
+    def test_a_password_file_its_group_can_read(self, tmp_path: Path, mode: int) -> None:
+        # As a Kubernetes Secret volume mounts it (defaultMode 0440 with an fsGroup).
+        path = _private(tmp_path, "p", PASSWORD + "\n")
+        path.chmod(mode)
+        conn = RedisSettings(redis_password_file=path).redis()  # type: ignore[call-arg]
+        assert conn.client_kwargs() == {"password": PASSWORD}
 
     def test_a_cluster_has_only_database_0(self) -> None:
         message = _refusal(redis_url="redis://r:7000/2", redis_cluster="true")
