@@ -122,9 +122,18 @@ class Authorizer:
                 known, found = True, tenants
         if not known:
             raise Unauthorized("unknown bearer token")
-        if found == OPERATOR:
-            return Principal(None, operator=True)
-        return Principal(found)
+        return _principal_of(found)
+
+    def known(self) -> list[tuple[bytes, Principal]]:
+        """Each known token's SHA-256 digest and its principal (the dashboard names the
+        token of a session by a keyed hash of the digest, and looks it up here)."""
+        return [(digest, _principal_of(grant)) for digest, grant in self._grants]
+
+
+def _principal_of(grant: Grant) -> Principal:
+    if grant == OPERATOR:
+        return Principal(None, operator=True)
+    return Principal(grant)
 
 
 def load_tokens(path: Path) -> dict[str, Grant]:

@@ -57,7 +57,7 @@ class AdmissionSettings(SubjectSecretSettings, KafkaSettings, RedisSettings):
         None,
         description='YAML/JSON mapping bearer token -> list of tenants (or `"*"`, or '
         "`operator`); none: auth is off, which only a loopback address allows unless "
-        "`SPENDGATE_ALLOW_UNAUTHENTICATED`. Mode 600.",
+        "`SPENDGATE_ALLOW_UNAUTHENTICATED`. Mode 600, or 640/440.",
     )
     allow_unauthenticated: Switch = Field(
         False,

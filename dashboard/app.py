@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -20,7 +21,7 @@ from spendgate.dashboard.endpoints import alert_tenant as alert_tenant
 from spendgate.dashboard.endpoints import refusal_keys as refusal_keys
 from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
-from spendgate.dashboard.sessions import Sessions
+from spendgate.dashboard.sessions import RedisSignOuts, Sessions
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.refusals import Refusal
 
@@ -51,10 +52,21 @@ def create_app(
     scraper: Scraper,
     *,
     session_ttl_s: float = 8 * 3600.0,
+    session_secret: bytes | None = None,
     secure_cookie: bool = False,
     lifespan: Any = None,
 ) -> Starlette:
-    """The dashboard app over its reader, feeds and scraper (started by the caller)."""
+    """The dashboard app over its reader, feeds and scraper (started by the caller).
+
+    ``session_secret`` signs the session cookies (``dashboard.sessions``); ``None``: a random
+    one, so sessions end with this process and no other replica takes them.
+    """
+    sessions = Sessions(
+        session_secret or secrets.token_bytes(32),
+        session_ttl_s,
+        authorizer,
+        RedisSignOuts(reader.client, reader.layout.control),
+    )
     app = Starlette(
         routes=_routes(),
         lifespan=lifespan,
@@ -66,7 +78,7 @@ def create_app(
         alerts,
         refusals,
         scraper,
-        Sessions(session_ttl_s),
+        sessions,
         session_ttl_s,
         secure_cookie,
     )

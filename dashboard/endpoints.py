@@ -51,11 +51,11 @@ class Dashboard:
     session_ttl_s: float
     secure_cookie: bool
 
-    def who(self, request: Request) -> Principal | None:
+    async def who(self, request: Request) -> Principal | None:
         """Who signed in on ``request``'s session (everyone when auth is off)."""
         if not self.authorizer.enabled:
             return ANYONE
-        return self.sessions.get(request.cookies.get(COOKIE))
+        return await self.sessions.get(request.cookies.get(COOKIE))
 
 
 def _dashboard(request: Request) -> Dashboard:
@@ -130,7 +130,7 @@ async def sign_in(request: Request) -> Response:
     answer = _json(_me(principal, True))
     answer.set_cookie(
         COOKIE,
-        dash.sessions.open(principal),
+        dash.sessions.open(token.strip()),
         max_age=int(dash.session_ttl_s),
         httponly=True,
         samesite="strict",
@@ -141,8 +141,10 @@ async def sign_in(request: Request) -> Response:
 
 
 async def sign_out(request: Request) -> Response:
-    """``DELETE /api/session``: end the session."""
-    _dashboard(request).sessions.close(request.cookies.get(COOKIE))
+    """``DELETE /api/session``: end the session, on every replica (``dashboard.sessions``)."""
+    dash = _dashboard(request)
+    if dash.authorizer.enabled:
+        await dash.sessions.close(request.cookies.get(COOKIE))
     answer = _json({"signed_in": False})
     answer.delete_cookie(COOKIE, path="/")
     return answer
@@ -151,7 +153,7 @@ async def sign_out(request: Request) -> Response:
 async def me(request: Request) -> Response:
     """``GET /api/me``: who is signed in and which tenants they read."""
     dash = _dashboard(request)
-    principal = dash.who(request)
+    principal = await dash.who(request)
     if principal is None:
         return _json({"signed_in": False, "auth": True})
     return _json(_me(principal, dash.authorizer.enabled))
@@ -201,7 +203,7 @@ def _page_query(request: Request) -> PageQuery | JSONResponse:
 async def budgets(request: Request) -> Response:
     """``GET /api/budgets``: a page of the budget keys this session may read."""
     dash = _dashboard(request)
-    principal = dash.who(request)
+    principal = await dash.who(request)
     if principal is None:
         return _denied()
     query = _page_query(request)
@@ -233,7 +235,7 @@ async def budgets(request: Request) -> Response:
 async def key_detail(request: Request) -> Response:
     """``GET /api/key?key=``: one key's window over time, its alerts and refusals."""
     dash = _dashboard(request)
-    principal = dash.who(request)
+    principal = await dash.who(request)
     if principal is None:
         return _denied()
     key = request.query_params.get("key", "")
@@ -264,7 +266,7 @@ async def live(request: Request) -> Response:
     """``GET /api/live``: the latest alerts and refusals this session may read, and (for a
     token that reads every tenant) admission's and the worker's metrics."""
     dash = _dashboard(request)
-    principal = dash.who(request)
+    principal = await dash.who(request)
     if principal is None:
         return _denied()
     policies = await dash.reader.policies()

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from starlette.applications import Starlette
 
-from spendgate.admission.auth import Authorizer, check_exposure, load_tokens
+from spendgate.admission.auth import Authorizer, check_exposure, is_loopback, load_tokens
 from spendgate.dashboard.app import create_app
 from spendgate.dashboard.feeds import Scraper, TopicFeed
 from spendgate.dashboard.reader import BudgetReader
@@ -19,6 +19,7 @@ from spendgate.dashboard.settings import DashboardSettings
 from spendgate.schemas import kafka_connect
 from spendgate.schemas.alerts import Alert
 from spendgate.schemas.connections import check_connections
+from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.redis_connect import async_client, check, layout_of
 from spendgate.schemas.refusals import Refusal
 
@@ -48,6 +49,7 @@ def build_app(settings: DashboardSettings) -> Starlette:
     authorizer = Authorizer(
         load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
     )
+    session_secret = _session_secret(settings, authorizer.enabled)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -77,9 +79,35 @@ def build_app(settings: DashboardSettings) -> Starlette:
         refusals,
         scraper,
         session_ttl_s=settings.session_ttl_s,
+        session_secret=session_secret,
         secure_cookie=settings.secure_cookie,
         lifespan=lifespan,
     )
+
+
+def _session_secret(settings: DashboardSettings, auth: bool) -> bytes | None:
+    """The secret that signs the session cookies: where sessions exist (auth on) and the
+    page is reachable beyond loopback (a deployment, maybe of several replicas), one must
+    be set; on loopback (a developer's machine) a random one does, with a warning.
+
+    Raises:
+        ConfigurationError: none set where it is needed, or a bad one (one line).
+    """
+    secret = settings.session_secret()
+    if secret is not None or not auth:
+        return secret
+    if not is_loopback(settings.dashboard_host):
+        raise ConfigurationError(
+            f"spendgate dashboard: listening on {settings.dashboard_host} with auth needs "
+            "SPENDGATE_DASHBOARD_SESSION_SECRET_FILE (or SPENDGATE_DASHBOARD_SESSION_SECRET), "
+            "shared by every replica, so that sessions survive restarts and work on each "
+            "(generate one: python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    logger.warning(
+        "no SPENDGATE_DASHBOARD_SESSION_SECRET_FILE: sessions are signed with a random secret "
+        "and end when this dashboard stops"
+    )
+    return None
 
 
 def serve(settings: DashboardSettings) -> None:

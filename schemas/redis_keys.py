@@ -126,6 +126,12 @@ def policies_version_key(prefix: str) -> str:
     return f"{prefix}policies:version"
 
 
+def signed_out_key(prefix: str, sid: str) -> str:
+    """Set when the dashboard session ``sid`` signs out, expiring when its cookie would have
+    (``dashboard.sessions``): every replica refuses the cookie while it exists."""
+    return f"{prefix}dash:out:{sid}"
+
+
 def request_key(prefix: str, tenant: str | None, request_id: str) -> str:
     """The first answer to an admit with this request id, scoped to the subject's tenant
     (idempotency): two tenants reusing one request id are two requests. The tenant is

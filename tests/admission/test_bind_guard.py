@@ -304,3 +304,30 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+class TestDashboardSessionSecret:
+    def _tokens(self, tmp_path: Path) -> Path:
+        path = tmp_path / "tokens.yaml"
+        path.write_text("very-secret-token: [acme]\n")
+        return path
+
+    def test_beyond_loopback_with_auth_it_is_required(self, held: Held, tmp_path: Path) -> None:
+        tokens = self._tokens(tmp_path)
+        done = _run(
+            held, ["dashboard", "--host", "0.0.0.0"], SPENDGATE_AUTH_TOKENS_FILE=str(tokens)
+        )
+        assert done.returncode == 2
+        lines = [line for line in done.stderr.splitlines() if "SESSION_SECRET" in line]
+        assert len(lines) == 1 and "SPENDGATE_DASHBOARD_SESSION_SECRET_FILE" in lines[0]
+
+    def test_a_short_one_is_refused(self, held: Held, tmp_path: Path) -> None:
+        tokens = self._tokens(tmp_path)
+        done = _run(
+            held,
+            ["dashboard"],
+            SPENDGATE_AUTH_TOKENS_FILE=str(tokens),
+            SPENDGATE_DASHBOARD_SESSION_SECRET="short",
+        )
+        assert done.returncode == 2
+        assert "at least 16 bytes" in done.stderr and "short" not in done.stderr

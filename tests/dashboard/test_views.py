@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from spendgate.admission.auth import Principal
+from spendgate.admission.auth import OPERATOR, Authorizer, Principal
 from spendgate.dashboard.app import Sessions
 from spendgate.dashboard.views import key_row, parse_scrape, rates, window_series
 from spendgate.schemas import window_codec
@@ -111,19 +111,99 @@ class TestMetrics:
         assert panel["worker_lag_s"] is None and panel["dead_letters"] is None
 
 
+class MemorySignOuts:
+    """Sign-outs in a dict, as Redis keeps them for every replica (``RedisSignOuts``)."""
+
+    def __init__(self) -> None:
+        self.until: dict[str, int] = {}
+
+    async def sign_out(self, sid: str, until_s: int) -> None:
+        self.until[sid] = until_s
+
+    async def signed_out(self, sid: str) -> bool:
+        return sid in self.until
+
+
+SESSION_SECRET = b"a-session-secret-of-32-bytes-ok!"
+GRANTS: dict[str, Any] = {"tok-a": frozenset({"a"}), "tok-ops": OPERATOR}
+
+
 class TestSessions:
-    def test_a_session_lasts_its_ttl_and_ends_on_close(self) -> None:
-        now = [0.0]
-        sessions = Sessions(ttl_s=10, clock=lambda: now[0])
-        who = Principal(frozenset({"a"}))
-        sid = sessions.open(who)
-        assert len(sid) >= 32 and sessions.get(sid) == who
-        assert sessions.get("forged") is None and sessions.get(None) is None
-        now[0] = 10.0
-        assert sessions.get(sid) is None
-        other = sessions.open(who)
-        sessions.close(other)
-        assert sessions.get(other) is None
+    @staticmethod
+    def sessions(
+        now: list[float],
+        sign_outs: MemorySignOuts,
+        secret: bytes = SESSION_SECRET,
+        grants: dict[str, Any] = GRANTS,
+    ) -> Sessions:
+        return Sessions(secret, 10, Authorizer(grants), sign_outs, clock=lambda: now[0])
+
+    async def test_a_cookie_is_taken_by_any_process_holding_the_secret(self) -> None:
+        now, outs = [1_000.0], MemorySignOuts()
+        cookie = self.sessions(now, outs).open("tok-a")
+        assert "tok-a" not in cookie and cookie.startswith("v1.")
+        # Another instance (a restarted dashboard, another replica) with the same secret.
+        assert await self.sessions(now, outs).get(cookie) == Principal(frozenset({"a"}))
+        ops = self.sessions(now, outs).open("tok-ops")
+        assert await self.sessions(now, outs).get(ops) == Principal(None, operator=True)
+        assert (
+            await self.sessions(now, outs, secret=b"another-secret-32-bytes-long-xx!").get(cookie)
+            is None
+        )
+
+    async def test_a_tampered_or_forged_cookie_is_refused(self) -> None:
+        import base64
+        import json
+
+        now, outs = [1_000.0], MemorySignOuts()
+        sessions = self.sessions(now, outs)
+        cookie = sessions.open("tok-a")
+        version, payload, signature = cookie.split(".")
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        ops_tid = json.loads(
+            base64.urlsafe_b64decode(
+                (p := sessions.open("tok-ops").split(".")[1]) + "=" * (-len(p) % 4)
+            )
+        )["tid"]
+        for changed in ({**claims, "exp": claims["exp"] + 3600}, {**claims, "tid": ops_tid}):
+            raw = base64.urlsafe_b64encode(json.dumps(changed).encode()).rstrip(b"=").decode()
+            assert await sessions.get(f"{version}.{raw}.{signature}") is None
+        flipped = signature[:-2] + ("A" if signature[-2] != "A" else "B") + signature[-1]
+        for bad in (f"{version}.{payload}.{flipped}", f"v2.{payload}.{signature}", "forged", "",
+                    None, f"{version}.{payload}", f"{version}..{signature}"):  # fmt: skip
+            assert await sessions.get(bad) is None, bad
+        assert await sessions.get(cookie) == Principal(frozenset({"a"}))
+
+    async def test_a_session_ends_at_its_ttl(self) -> None:
+        now, outs = [1_000.0], MemorySignOuts()
+        sessions = self.sessions(now, outs)
+        cookie = sessions.open("tok-a")
+        now[0] = 1_009.0
+        assert await sessions.get(cookie) is not None
+        now[0] = 1_010.0
+        assert await sessions.get(cookie) is None
+
+    async def test_a_signed_out_cookie_is_refused_everywhere_until_it_would_expire(self) -> None:
+        now, outs = [1_000.0], MemorySignOuts()
+        one, other = self.sessions(now, outs), self.sessions(now, outs)
+        cookie, kept = one.open("tok-a"), one.open("tok-a")
+        await other.close(cookie)
+        assert await one.get(cookie) is None and await other.get(cookie) is None
+        # The record lives as long as the cookie could: the expiry it carries.
+        assert list(outs.until.values()) == [1_010]
+        # Only that session: another browser of the same token stays signed in.
+        assert await one.get(kept) == Principal(frozenset({"a"}))
+        await other.close("forged")
+        assert len(outs.until) == 1
+
+    async def test_a_token_taken_out_of_the_tokens_file_ends_its_sessions(self) -> None:
+        now, outs = [1_000.0], MemorySignOuts()
+        cookie = self.sessions(now, outs).open("tok-a")
+        assert await self.sessions(now, outs, grants={"tok-ops": OPERATOR}).get(cookie) is None
+
+    def test_a_short_secret_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="at least 16 bytes"):
+            self.sessions([0.0], MemorySignOuts(), secret=b"short")
 
 
 class TestStoreDown:
