@@ -32,6 +32,7 @@ pytest_plugins = [
     "tests.fixtures.admission",
     "tests.fixtures.embedded_lua",
     "tests.fixtures.dashboard",
+    "tests.fixtures.helm",
     "tests.fixtures.litellm_stack",
     "tests.fixtures.cluster",
     "tests.fixtures.blackhole",

@@ -7,11 +7,8 @@ and ports, the production HPA, PDB and NetworkPolicy)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,66 +20,15 @@ from spendgate.schemas.exceptions import ConfigurationError
 from spendgate.schemas.key_settings import read_private_file
 from spendgate.schemas.policies import Policy
 from spendgate.streams.settings import WorkerSettings
+from tests.fixtures.helm import CHART, Tools, objects
 from tests.test_image import UID, only, parse
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "spendgate"
 VALUES = {
     "default": [],
     "production": [CHART / "ci" / "production-values.yaml"],
     "minimal": [CHART / "ci" / "minimal-values.yaml"],
 }
-IN_CI = os.environ.get("CI") == "true"
-
-
-@dataclass(frozen=True)
-class Tools:
-    helm: Path
-    kubecheck: Path
-    #: helm's cache, config and data folders: this module's own.
-    home: Path
-
-    def helm_run(self, *args: str, chart: Path = CHART) -> subprocess.CompletedProcess[str]:
-        home = {f"HELM_{d.upper()}_HOME": str(self.home / d) for d in ("cache", "config", "data")}
-        return subprocess.run(
-            [str(self.helm), *args[:1], *(a if a != "CHART" else str(chart) for a in args[1:])],
-            env={**os.environ, **home},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    def template(self, values: list[Path], *sets: str, chart: Path = CHART) -> str:
-        args = ["template", "t", "CHART"]
-        for path in values:
-            args += ["-f", str(path)]
-        for s in sets:
-            args += ["--set", s]
-        done = self.helm_run(*args, chart=chart)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    def check(self, rendered: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.kubecheck)], input=rendered, capture_output=True, text=True, timeout=60
-        )
-
-
-@pytest.fixture(scope="module")
-def tools(tmp_path_factory: pytest.TempPathFactory) -> Tools:
-    """helm and kubecheck from scripts/helm-tools (cached; built once, minutes, if not)."""
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "helm-tools")], capture_output=True, text=True, timeout=3000
-    )
-    if done.returncode == 3 and not IN_CI:
-        pytest.skip(f"no Go to build helm with: {done.stderr.strip()}")
-    assert done.returncode == 0, done.stderr
-    paths = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    return Tools(Path(paths["helm"]), Path(paths["kubecheck"]), tmp_path_factory.mktemp("helm"))
-
-
-def objects(rendered: str) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(rendered) if d]
 
 
 def of_kind(found: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
