@@ -130,6 +130,7 @@ class TestTokensNeverLogged:
         policy_factory: PolicyFactory,
         tmp_path: Path,
         caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         """The product's server stack (uvicorn with ``uvicorn_options``, access log on) at
         DEBUG over TCP: requests that use a valid token, an unknown one and the token sent
@@ -168,6 +169,13 @@ class TestTokensNeverLogged:
         await client.aclose()
         caplog.set_level(logging.DEBUG)  # every logger, the server's and the app's
         options = {**uvicorn_options(), "log_level": "debug", "access_log": True}
+        # The request lines come from httpx's and uvicorn's loggers, which an earlier test
+        # in this process may have quietened (importing litellm sets httpx's to WARNING),
+        # disabled or stopped at their own handlers: let them reach caplog's.
+        for name in ("httpx", "uvicorn", "uvicorn.access", "uvicorn.error"):
+            caplog.set_level(logging.DEBUG, logger=name)
+            monkeypatch.setattr(logging.getLogger(name), "disabled", False)
+            monkeypatch.setattr(logging.getLogger(name), "propagate", True)
         server = uvicorn.Server(
             uvicorn.Config(build_app(settings), host="127.0.0.1", port=port, **options)
         )

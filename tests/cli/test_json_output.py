@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from spendgate.cli import app
+from tests.fixtures.admission import free_port
 from tests.fixtures.wide import (
     BIG,
     big_alert,
@@ -111,6 +112,8 @@ class TestDevStatus:
         self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     ) -> None:
         monkeypatch.setenv("SPENDGATE_STACK_DIR", str(tmp_path))
+        # Ports of its own: the suite's shared dev cluster (7100...) may be running now.
+        monkeypatch.setenv("SPENDGATE_CLUSTER_PORT", str(free_port()))
         status = _json("dev", "cluster", "status", "-o", "json")
         assert status["healthy"] is False
         assert {n["running"] for n in status["nodes"]} == {False}
