@@ -170,11 +170,19 @@ class WorkerSettings(SubjectSecretSettings, KafkaSettings, RedisSettings):
         description="After SIGTERM or SIGINT, how long the worker may take to stop before it "
         "exits anyway (code 4), dropping in-flight work unacked. Below "
         "`SPENDGATE_SESSION_TIMEOUT_S`, so its partitions move no later than a worker that "
-        "died would.",
+        "died would; unset, 10 s, or two thirds of a session timeout of 10 s or less.",
     )
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> WorkerSettings:
+        if (
+            "worker_stop_grace_s" not in self.model_fields_set
+            and self.worker_stop_grace_s >= self.session_timeout_s
+        ):
+            # The default follows a short session timeout instead of refusing it.
+            object.__setattr__(
+                self, "worker_stop_grace_s", round(self.session_timeout_s * 2 / 3, 3)
+            )
         names = (
             ("worker_kafka_wait_s", "SPENDGATE_WORKER_KAFKA_WAIT_S"),
             ("worker_stall_s", "SPENDGATE_WORKER_STALL_S"),

@@ -365,6 +365,15 @@ class TestSettings:
         assert message in str(refused.value)
         assert "\n" not in str(refused.value)
 
+    def test_the_default_grace_follows_a_short_session_timeout(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("SPENDGATE_SESSION_TIMEOUT_S", "6")
+        assert load_settings().worker_stop_grace_s == 4.0
+        monkeypatch.setenv("SPENDGATE_WORKER_STOP_GRACE_S", "6")
+        with pytest.raises(ConfigurationError, match="must be below SPENDGATE_SESSION_TIMEOUT_S"):
+            load_settings()
+
     def test_the_defaults_hold(self) -> None:
         settings = load_settings()
         assert (
