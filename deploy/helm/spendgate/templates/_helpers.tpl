@@ -36,7 +36,7 @@ app.kubernetes.io/component: {{ .role }}
 {{/* The Secret keys a role reads: spendgate.secretKeys (dict "root" $ "role" "admission"), one per line. */}}
 {{- define "spendgate.secretKeys" -}}
 {{- $v := .root.Values -}}
-{{- $keys := list $v.kafka.sasl.passwordKey $v.kafka.caKey $v.redis.passwordKey $v.redis.caKey -}}
+{{- $keys := list $v.kafka.sasl.passwordKey $v.kafka.caKey $v.redis.passwordKey $v.redis.caKey $v.redis.certKey $v.redis.keyKey -}}
 {{- if has .role (list "worker" "admission" "policy") -}}
 {{- $keys = append $keys $v.subjectSecretKey -}}
 {{- end -}}
@@ -115,6 +115,12 @@ app.kubernetes.io/component: {{ .role }}
 - name: SPENDGATE_REDIS_SSL_CAFILE
   value: {{ printf "%s/%s" $dir $v.redis.caKey | quote }}
 {{- end }}
+{{- if $v.redis.certKey }}
+- name: SPENDGATE_REDIS_SSL_CERTFILE
+  value: {{ printf "%s/%s" $dir $v.redis.certKey | quote }}
+- name: SPENDGATE_REDIS_SSL_KEYFILE
+  value: {{ printf "%s/%s" $dir (required "redis.keyKey is required with redis.certKey" $v.redis.keyKey) | quote }}
+{{- end }}
 - name: SPENDGATE_REDIS_SSL_CHECK_HOSTNAME
   value: {{ $v.redis.checkHostname | quote }}
 - name: SPENDGATE_TOPIC_PREFIX
@@ -190,7 +196,7 @@ affinity:
 {{- fail (printf "worker.stallS + livenessProbe.periodSeconds x failureThreshold must stay below worker.exitS (%v): the probe restarts a stalled worker before it ends itself" $v.worker.exitS) -}}
 {{- end -}}
 {{- if and (not $v.secret.existing) (not $v.secret.data) -}}
-{{- range list $v.subjectSecretKey $v.auth.tokensKey $v.dashboard.sessionSecretKey $v.kafka.sasl.passwordKey $v.kafka.caKey $v.redis.passwordKey $v.redis.caKey -}}
+{{- range list $v.subjectSecretKey $v.auth.tokensKey $v.dashboard.sessionSecretKey $v.kafka.sasl.passwordKey $v.kafka.caKey $v.redis.passwordKey $v.redis.caKey $v.redis.certKey $v.redis.keyKey -}}
 {{- if . -}}
 {{- fail (printf "the key %q is named but there is no secret: set secret.existing, or secret.data" .) -}}
 {{- end -}}
