@@ -89,6 +89,7 @@ class TestHelm:
         ("setting", "named"),
         [
             ("secret.defaultMode=420", "/secret/defaultMode"),  # 0644: the services refuse it
+            ("secret.defaultMode=256", "/secret/defaultMode"),  # 0400: root-owned, unreadable
             ("kafka.securityProtocol=SASL", "/kafka/securityProtocol"),
             ("worker.replicas=0", "/worker/replicas"),
             ("worker.stalls=30", "'stalls'"),
