@@ -38,8 +38,8 @@ pytest_plugins = [
     "tests.fixtures.blackhole",
 ]
 
-# The suite writes its tokens and secret files as an operator must (admission refuses a
-# tokens file group or others can read): owner-only. Tests of that refusal chmod explicitly.
+# The suite writes its tokens and secret files owner-only (admission refuses a tokens file
+# others can read, or its group write). Tests of the modes chmod explicitly.
 os.umask(0o077)
 # One subject secret for every service the suite starts (tests.fixtures.key_ids).
 os.environ["SPENDGATE_SUBJECT_SECRET"] = TEST_SECRET
