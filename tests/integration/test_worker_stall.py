@@ -132,6 +132,31 @@ async def _policies(apply_policies: ApplyPolicies, policy_factory: PolicyFactory
     await apply_policies(per_tenant, overall)
 
 
+async def _counting(
+    worker_settings: WorkerSettings,
+    apply_policies: ApplyPolicies,
+    policy_factory: PolicyFactory,
+    redis_sync: redis.Redis,
+    first: int,
+) -> Usage:
+    """The policies applied and ``first`` commits counted by the worker just started."""
+    usage = Usage(worker_settings)
+    await _policies(apply_policies, policy_factory)
+    await usage.send(first)
+    await eventually(lambda: usage.counted(redis_sync), 60, "the first commits counted")
+    return usage
+
+
+async def _finished_by_a_new_worker(
+    workers: Workers, usage: Usage, redis_sync: redis.Redis, tmp_path: Path
+) -> None:
+    """Its supervisor starts it again (no stall this time): nothing lost, nothing doubled."""
+    (tmp_path / "hang").unlink()
+    again = workers.start("w2", metrics_port=free_port())
+    await eventually(lambda: usage.counted(redis_sync), 90, "every commit counted once")
+    assert again.poll() is None
+
+
 class TestHungSend:
     async def test_healthz_fails_the_batch_is_sent_again_then_the_worker_exits_4(
         self,
@@ -147,10 +172,9 @@ class TestHungSend:
         proc = workers.start(
             metrics_port=port, env=_env(tmp_path, SPENDGATE_TEST_HANG_TOPICS=keyed), module=HUNG
         )
-        usage = Usage(worker_settings)
-        await _policies(apply_policies, policy_factory)
-        await usage.send(30)
-        await eventually(lambda: usage.counted(redis_sync), 60, "the first commits counted")
+        usage = await _counting(
+            worker_settings, apply_policies, policy_factory, redis_sync, first=30
+        )
         assert _healthz(port) == (200, {"status": "ok"})
 
         (tmp_path / "hang").touch()
@@ -176,11 +200,7 @@ class TestHungSend:
         assert f"waiting for acks: {keyed}[" in log
         assert "worker exits 4: no progress" in log
 
-        # Its supervisor starts it again (no stall this time): nothing lost, nothing doubled.
-        (tmp_path / "hang").unlink()
-        again = workers.start("w2", metrics_port=free_port())
-        await eventually(lambda: usage.counted(redis_sync), 90, "every commit counted once")
-        assert again.poll() is None
+        await _finished_by_a_new_worker(workers, usage, redis_sync, tmp_path)
 
     async def test_sigterm_during_a_hung_send_exits_within_the_grace(
         self,
@@ -195,10 +215,9 @@ class TestHungSend:
         # The exit bound far away: only the stop's grace can end the process in time.
         env = _env(tmp_path, SPENDGATE_WORKER_EXIT_S="120")
         proc = workers.start(metrics_port=port, env=env, module=HUNG)
-        usage = Usage(worker_settings)
-        await _policies(apply_policies, policy_factory)
-        await usage.send(30)
-        await eventually(lambda: usage.counted(redis_sync), 60, "the first commits counted")
+        usage = await _counting(
+            worker_settings, apply_policies, policy_factory, redis_sync, first=30
+        )
 
         (tmp_path / "hang").touch()
         await usage.send(30)
@@ -213,10 +232,7 @@ class TestHungSend:
         log = (tmp_path / "worker-w1.log").read_text(errors="replace")
         assert "the stop asked" in log and "has not finished" in log
 
-        (tmp_path / "hang").unlink()
-        again = workers.start("w2", metrics_port=free_port())
-        await eventually(lambda: usage.counted(redis_sync), 90, "every commit counted once")
-        assert again.poll() is None
+        await _finished_by_a_new_worker(workers, usage, redis_sync, tmp_path)
 
 
 class TestBlockedLoop:
@@ -231,10 +247,7 @@ class TestBlockedLoop:
     ) -> None:
         port = free_port()
         proc = workers.start(metrics_port=port, env=_env(tmp_path), module=HUNG)
-        usage = Usage(worker_settings)
-        await _policies(apply_policies, policy_factory)
-        await usage.send(9)
-        await eventually(lambda: usage.counted(redis_sync), 60, "the first commits counted")
+        await _counting(worker_settings, apply_policies, policy_factory, redis_sync, first=9)
 
         # Idle past every bound: healthy all along.
         idle = time.monotonic()
